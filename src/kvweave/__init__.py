@@ -1,0 +1,51 @@
+"""kvweave: KV-cache compression for long-context inference with Hugging Face transformers.
+
+    model, tokenizer = kvweave.load_model("qwen2.5-coder-0.5b")
+    cache = kvweave.make_cache("full", model)          # or "window:window=1024", "quant:bits=4", ...
+    model.generate(**inputs, past_key_values=cache)
+    cache.nbytes(), cache.stats()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "METHODS",
+    "EntropyTemperatureProcessor",
+    "KVCache",
+    "Method",
+    "load_model",
+    "make_cache",
+    "parse_method",
+    "prepare",
+    "register",
+    "restore",
+]
+
+_LAZY = {
+    "METHODS": "kvweave.cache",
+    "KVCache": "kvweave.cache",
+    "Method": "kvweave.cache",
+    "make_cache": "kvweave.cache",
+    "parse_method": "kvweave.cache",
+    "register": "kvweave.cache",
+    "prepare": "kvweave.attention",
+    "restore": "kvweave.attention",
+    "load_model": "kvweave.models",
+    "EntropyTemperatureProcessor": "kvweave.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names lazily, so ``import kvweave`` stays cheap and side-effect free."""
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name])
+        if name == "METHODS":
+            importlib.import_module("kvweave.methods")
+        return getattr(module, name)
+    raise AttributeError(f"module 'kvweave' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Evaluation helpers for kvweave: synthetic long-context tasks (:mod:`kvweave.eval.tasks`) and scoring."""

