@@ -62,6 +62,11 @@ class Method:
     cross_layer: ClassVar[bool] = False  # shares state between layers
     supports_batch: ClassVar[bool] = True
     uses_kvweave_attention: ClassVar[bool] = True  # needs kvweave.prepare(model)
+    bounded_memory: ClassVar[bool] = False  # entries held stay bounded however long decoding runs
+    # For the contract test: options that make the method compress a ~40-token prompt, and option sets
+    # that must be rejected (each with the name of the offending option).
+    test_options: ClassVar[dict[str, Any]] = {}
+    invalid_options: ClassVar[tuple[tuple[dict[str, Any], str], ...]] = ()
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
         """The cache layer object for decoder layer ``layer_idx`` (full-attention layers only)."""
@@ -299,6 +304,7 @@ class CompressedLayer(CacheLayerMixin):
         self.seen = 0
         self.rows = 0
         self.slots: torch.Tensor | None = None  # [B, H, T] int32, None while entries are exactly 0..seen-1
+        self.pad_count: torch.Tensor | None = None  # [B] left-padding tokens per row (set at prefill)
 
     # -- transformers' layer interface
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -356,6 +362,10 @@ class CompressedLayer(CacheLayerMixin):
         first = self.seen
         self.append(key, value, kwargs.get("position_ids"))
         self.seen += q_len
+        if first == 0:
+            padding = self.padding(attention_mask)
+            self.pad_count = (padding[:, 0].sum(-1) if padding is not None
+                              else torch.zeros(self.rows, dtype=torch.int64, device=self.device))
         keys, values = self.attention_keys_values(query)
         if self.slots is None:  # nothing evicted: transformers' own path, exact
             out, _ = sdpa_attention(module, query, keys, values, attention_mask, **kwargs)
@@ -413,6 +423,13 @@ class CompressedLayer(CacheLayerMixin):
         last_row = mask[:, 0, -1, :]  # [B, N]: the last token sees every real token before it
         held = self.held_slots()[:, :1, :].to(torch.int64)
         return ~last_row.unsqueeze(1).gather(2, held.clamp(max=last_row.shape[-1] - 1))
+
+    def padding_flags(self) -> torch.Tensor:
+        """``[B, T]`` int 1 where a held entry (head 0) is a left-padding token."""
+        slots = self.held_slots()[:, 0].to(torch.int64)
+        if self.pad_count is None:
+            return torch.zeros_like(slots)
+        return (slots < self.pad_count.view(-1, 1)).to(torch.int64)
 
     def nbytes(self) -> int:
         """Bytes of the tensors this layer holds."""

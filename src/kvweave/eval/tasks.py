@@ -119,7 +119,7 @@ def _encode_many(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
             ids = tok(list(texts), add_special_tokens=False)["input_ids"]
             if len(ids) == len(texts):
                 return [list(x) for x in ids]
-        except Exception:  # noqa: S110 - any failure falls back to per-text encode
+        except Exception:  # any failure: fall back to per-text encode
             pass
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
@@ -221,34 +221,50 @@ def _sentences(paragraph: str) -> list[str]:
     return [s.strip() for s in _SENT_SPLIT.split(text) if s.strip()]
 
 
-def _pydoc_paragraphs(text: str) -> list[str]:
-    """Plain-prose paragraphs of one pydoc topic: no headings, code, grammar or tables."""
-    lines = text.splitlines()
-    paras: list[str] = []
+def _pydoc_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """Blank-line separated blocks of a topic as ``(indent, lines)``, headings removed."""
+    blocks: list[tuple[int, list[str]]] = []
     cur: list[str] = []
-
-    def flush() -> None:
-        if cur:
-            para = " ".join(" ".join(cur).split())
-            if len(para.split()) >= 6 and _PARA_END.search(para):
-                paras.append(re.sub(r":$", ".", para))
-            cur.clear()
-
-    skip_next = False
+    lines = text.splitlines()
     for i, line in enumerate(lines):
         nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
-        if skip_next:
-            skip_next = False
+        if _UNDERLINE.fullmatch(line.strip()) or (nxt and _UNDERLINE.fullmatch(nxt)):
+            line = ""  # a heading or its underline
+        if line.strip():
+            cur.append(line)
+        elif cur:
+            blocks.append((min(len(x) - len(x.lstrip()) for x in cur), cur))
+            cur = []
+    if cur:
+        blocks.append((min(len(x) - len(x.lstrip()) for x in cur), cur))
+    return blocks
+
+
+def _is_prose(para: str) -> bool:
+    """Whether a joined block reads as prose (a few words, ends a sentence, no code markers)."""
+    words = para.split()
+    if len(words) < 6 or not _PARA_END.search(para) or any(m in para for m in (">>>", "::=", "+--", "|")):
+        return False
+    return sum(w.strip("\"'(),.;:").isalpha() for w in words) >= 0.6 * len(words)
+
+
+def _pydoc_paragraphs(text: str) -> list[str]:
+    """Plain-prose paragraphs of one pydoc topic: no headings, code, grammar or tables.
+
+    A block indented deeper than a preceding block that ends with ``:`` is taken as code.
+    """
+    paras: list[str] = []
+    code_above: int | None = None  # indent of the block introducing a code example
+    for indent, lines in _pydoc_blocks(text):
+        if code_above is not None and indent > code_above:
             continue
-        if nxt and _UNDERLINE.fullmatch(nxt):  # heading line followed by its underline
-            flush()
-            skip_next = True
-            continue
-        if not line.strip() or line[:1].isspace() or "|" in line:
-            flush()
-            continue
-        cur.append(re.sub(r"^[*+\-] ", "", line.strip()))
-    flush()
+        code_above = None
+        para = " ".join(re.sub(r"^[*+\-] ", "", x.strip()) for x in lines)
+        para = " ".join(para.split())
+        if para.endswith(":"):
+            code_above = indent
+        if _is_prose(para):
+            paras.append(re.sub(r"\.?:$", ".", para))
     return paras
 
 
@@ -259,7 +275,7 @@ def _pydoc_units() -> tuple[str, ...]:
     units: list[str] = []
     for key in sorted(topics):
         for para in _pydoc_paragraphs(topics[key]):
-            units.extend(_sentences(para))
+            units.extend(x for x in _sentences(para) if len(x.split()) >= 3)
     return tuple(units)
 
 
@@ -274,7 +290,9 @@ def _essay_files(data_dir: str | os.PathLike[str] | None) -> list[Path]:
 
 def _essay_text(data_dir: str | os.PathLike[str] | None) -> str:
     """All essays joined by blank lines (RULER glues them with no separator)."""
-    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace").strip() for p in _essay_files(data_dir))
+    return "\n\n".join(
+        p.read_text(encoding="utf-8", errors="replace").strip() for p in _essay_files(data_dir)
+    )
 
 
 def _code_path() -> Path:
@@ -305,9 +323,9 @@ def load_haystack(name: str = "pydoc", data_dir: str | os.PathLike[str] | None =
     ``"essays"`` reads ``<data>/pg_essays/*.txt`` where ``<data>`` is ``data_dir`` or
     ``$KVWEAVE_DATA``; the others need no files.  Results are cached.
     """
-    key = None if name != "essays" else str(resolve_data_dir(data_dir) or "")
-    if name == "essays" and not key:
-        _require_data("pg_essays", "haystack 'essays'", None)  # raises with the env-var hint
+    key = None
+    if name == "essays":
+        key = str(_require_data("pg_essays", "haystack 'essays'", data_dir).parent)
     return _load_haystack_cached(name, key)
 
 
@@ -334,7 +352,8 @@ def load_corpus(name: str = "wikitext2_valid", data_dir: str | os.PathLike[str] 
     if name == "essays":
         return _essay_text(data_dir)
     if name == "pydoc":
-        return "\n\n".join(" ".join(_pydoc_units()[i : i + 8]) for i in range(0, len(_pydoc_units()), 8))
+        units = load_haystack("pydoc").units
+        return "\n\n".join(" ".join(units[i : i + 8]) for i in range(0, len(units), 8))
     if name == "code":
         return _code_path().read_text(encoding="utf-8")
     raise ValueError(f"unknown corpus {name!r}; choose from {sorted(CORPORA)}")
@@ -495,7 +514,9 @@ def _spread(depth: float, k: int) -> list[float]:
     return [depth if i == 0 else (depth + i / k) % 1.0 for i in range(k)]
 
 
-def _insert(pieces: list[str], counts: list[int], items: Sequence[tuple[float, str]]) -> tuple[list[str], list[float]]:
+def _insert(
+    pieces: list[str], counts: list[int], items: Sequence[tuple[float, str]]
+) -> tuple[list[str], list[float]]:
     """Insert ``(depth, text)`` items at the unit boundaries nearest each depth (by tokens).
 
     Returns the new unit list and each item's realised depth (filler tokens before it / all).
@@ -589,7 +610,9 @@ def _fit(plan: _Plan, tok: Tokenizer, target: int, tol: int, max_iter: int = 12)
     under = [(m, t) for m, (t, _) in tried.items() if t <= target + tol]
     if not under:
         smallest = min(t for t, _ in tried.values())
-        raise ValueError(f"context_tokens={target} is too small for this task (needs at least ~{smallest} tokens)")
+        raise ValueError(
+            f"context_tokens={target} is too small for this task (needs at least ~{smallest} tokens)"
+        )
     best = max(under, key=lambda x: x[1])[0]
     t, draft = tried[best]
     return draft, t
@@ -747,7 +770,13 @@ def _niah_builder(cfg: _NiahConfig) -> Callable[[_Ctx], _Plan]:
         preamble, question, prefix = _niah_texts(cfg, queries)
 
         def finish(context: str, realised: list[float]) -> _Draft:
-            meta = {"depth": depth, "needle_depths": realised, "needles": needles, "keys": keys, "queries": queries}
+            meta = {
+                "depth": depth,
+                "needle_depths": realised,
+                "needles": needles,
+                "keys": keys,
+                "queries": queries,
+            }
             return _Draft(context, question, answers, prefix, meta)
 
         return _prose_plan(ctx, preamble, needles, _spread(depth, len(needles)), finish)
@@ -768,7 +797,10 @@ def _build_niah_multikey_uuid(ctx: _Ctx) -> _Plan:
     def build(n: int) -> _Draft:
         rng = random.Random(line_seed)
         used = {keys[0], values[0][0]}
-        lines = [_needle(cfg, _draw(rng, "uuids", ctx.words, used), _draw(rng, "uuids", ctx.words, used)) for _ in range(n)]
+        lines = [
+            _needle(cfg, _draw(rng, "uuids", ctx.words, used), _draw(rng, "uuids", ctx.words, used))
+            for _ in range(n)
+        ]
         pos = round(depth * n)
         lines.insert(pos, needle)
         meta = {"depth": depth, "needle_depths": [pos / max(n, 1)], "needles": [needle], "keys": keys[:1]}
@@ -787,7 +819,9 @@ def _vt_chain(rng: random.Random, hops: int, name_len: int, value: int) -> tuple
         name = "".join(rng.choices(string.ascii_uppercase, k=name_len))
         if name not in names:
             names.append(name)
-    stmts = [f"VAR {names[0]} = {value}"] + [f"VAR {names[i]} = VAR {names[i - 1]}" for i in range(1, hops + 1)]
+    stmts = [f"VAR {names[0]} = {value}"] + [
+        f"VAR {names[i]} = VAR {names[i - 1]}" for i in range(1, hops + 1)
+    ]
     return names, stmts
 
 
@@ -810,8 +844,15 @@ def _vt_icl(rng: random.Random) -> str:
         lines.insert(p + j, stmts[j])
     query = dict(query=value, num_v=_VT_HOPS + 1)
     return (
-        _VT_TEMPLATE + "\n".join(lines) + "\n" + _VT_QUESTION.format(**query) + " "
-        + _VT_PREFIX.format(**query) + " " + " ".join(names) + "\n\n"
+        _VT_TEMPLATE
+        + "\n".join(lines)
+        + "\n"
+        + _VT_QUESTION.format(**query)
+        + " "
+        + _VT_PREFIX.format(**query)
+        + " "
+        + " ".join(names)
+        + "\n\n"
     )
 
 
@@ -844,6 +885,7 @@ _CWE_TEMPLATE = (
 _CWE_QUESTION = "Question: What are the 10 most common words in the above list?"
 _CWE_PREFIX = "Answer: The top 10 words that appear most often in the list are:"
 _CWE_COMMON = 10
+_CWE_SHOT_MIN_TOKENS = 1024  # below this the one-shot example is left out
 
 
 def _cwe_vocab(ctx: _Ctx, n: int, base: list[str]) -> list[str]:
@@ -870,17 +912,22 @@ def _cwe_example(ctx: _Ctx, base: list[str], n: int, rc: int, ru: int, salt: str
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(lst)), common
 
 
+def _cwe_shot(ctx: _Ctx, base: list[str], short: bool) -> str:
+    """The worked one-shot example RULER prepends (left out below 1K-token targets)."""
+    if ctx.target < _CWE_SHOT_MIN_TOKENS:
+        return ""
+    shot_ctx, shot_ans = _cwe_example(ctx, base, *((20, 3, 1) if short else (40, 10, 3)), salt="shot")
+    answer = " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_ans))
+    return f"{_CWE_TEMPLATE}{shot_ctx}\n{_CWE_QUESTION} {_CWE_PREFIX} {answer}\n\n"
+
+
 def _build_cwe(ctx: _Ctx) -> _Plan:
     """Common words extraction with a one-shot example (RULER settings: 30/3 repeats, 6/1 below 4K)."""
     base = ctx.words.all_words()
     random.Random(ctx.seed).shuffle(base)
     short = ctx.target < 4096
     rc, ru = (6, 1) if short else (30, 3)
-    shot_ctx, shot_ans = _cwe_example(ctx, base, *((20, 3, 1) if short else (40, 10, 3)), salt="shot")
-    shot = (
-        _CWE_TEMPLATE + shot_ctx + "\n" + _CWE_QUESTION + " " + _CWE_PREFIX + " "
-        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_ans)) + "\n\n"
-    )
+    shot = _cwe_shot(ctx, base, short)
 
     def build(n: int) -> _Draft:
         body, common = _cwe_example(ctx, base, n, rc, ru, salt="main")
@@ -963,29 +1010,82 @@ def _spec(name: str, description: str, builder: Callable[[_Ctx], _Plan], **kw: A
 TASKS: dict[str, TaskSpec] = {
     s.name: s
     for s in (
-        _spec("passkey", "InfiniteBench pass key: find a 5-digit key in filler", _build_passkey,
-              default_haystack="repeat", max_new_tokens=16),
-        _spec("niah_single", "NIAH, one word key, 7-digit number value (RULER niah_single_1/2)",
-              _niah_builder(_NiahConfig("words", "numbers")), optional=(_WORDLISTS,)),
-        _spec("niah_word", "NIAH, one word key, adjective-noun word value",
-              _niah_builder(_NiahConfig("words", "words")), optional=(_WORDLISTS,)),
-        _spec("niah_uuid", "NIAH, one word key, UUID value (RULER niah_single_3)",
-              _niah_builder(_NiahConfig("words", "uuids")), optional=(_WORDLISTS,)),
-        _spec("niah_multikey", "NIAH, the asked needle plus 3 distractor keys, number values (RULER niah_multikey_1)",
-              _niah_builder(_NiahConfig("words", "numbers", k=4)), optional=(_WORDLISTS,)),
-        _spec("niah_multikey_uuid", "NIAH, haystack of distractor needles, UUID keys and values (RULER niah_multikey_3)",
-              _build_niah_multikey_uuid, default_haystack="needles", haystacks=("needles",)),
-        _spec("niah_multivalue", "NIAH, one key with 4 number values, all must be recalled (RULER niah_multivalue)",
-              _niah_builder(_NiahConfig("words", "numbers", v=4)), optional=(_WORDLISTS,)),
-        _spec("niah_multiquery", "NIAH, 4 keys asked at once, number values (RULER niah_multiquery)",
-              _niah_builder(_NiahConfig("words", "numbers", k=4, q=4)), optional=(_WORDLISTS,)),
-        _spec("vt", "variable tracking: 1 chain of 4 hops, name all 5 variables (RULER vt)", _build_vt,
-              default_haystack="repeat", max_new_tokens=30),
-        _spec("cwe", "common words extraction: the 10 most common words of a numbered list (RULER cwe)",
-              _build_cwe, default_haystack="wordlist", haystacks=("wordlist",), optional=(_WORDLISTS,),
-              uses_depth=False, max_new_tokens=120),
-        _spec("fwe", "frequent words extraction: the 3 most frequent coded words, Zipf alpha 2 (RULER fwe)",
-              _build_fwe, default_haystack="coded", haystacks=("coded",), uses_depth=False, max_new_tokens=50),
+        _spec(
+            "passkey",
+            "InfiniteBench pass key: find a 5-digit key in filler",
+            _build_passkey,
+            default_haystack="repeat",
+            max_new_tokens=16,
+        ),
+        _spec(
+            "niah_single",
+            "NIAH, one word key, 7-digit number value (RULER niah_single_1/2)",
+            _niah_builder(_NiahConfig("words", "numbers")),
+            optional=(_WORDLISTS,),
+        ),
+        _spec(
+            "niah_word",
+            "NIAH, one word key, adjective-noun word value",
+            _niah_builder(_NiahConfig("words", "words")),
+            optional=(_WORDLISTS,),
+        ),
+        _spec(
+            "niah_uuid",
+            "NIAH, one word key, UUID value (RULER niah_single_3)",
+            _niah_builder(_NiahConfig("words", "uuids")),
+            optional=(_WORDLISTS,),
+        ),
+        _spec(
+            "niah_multikey",
+            "NIAH, the asked needle plus 3 distractor keys, number values (RULER niah_multikey_1)",
+            _niah_builder(_NiahConfig("words", "numbers", k=4)),
+            optional=(_WORDLISTS,),
+        ),
+        _spec(
+            "niah_multikey_uuid",
+            "NIAH, haystack of distractor needles, UUID keys and values (RULER niah_multikey_3)",
+            _build_niah_multikey_uuid,
+            default_haystack="needles",
+            haystacks=("needles",),
+        ),
+        _spec(
+            "niah_multivalue",
+            "NIAH, one key with 4 number values, all must be recalled (RULER niah_multivalue)",
+            _niah_builder(_NiahConfig("words", "numbers", v=4)),
+            optional=(_WORDLISTS,),
+        ),
+        _spec(
+            "niah_multiquery",
+            "NIAH, 4 keys asked at once, number values (RULER niah_multiquery)",
+            _niah_builder(_NiahConfig("words", "numbers", k=4, q=4)),
+            optional=(_WORDLISTS,),
+        ),
+        _spec(
+            "vt",
+            "variable tracking: 1 chain of 4 hops, name all 5 variables (RULER vt)",
+            _build_vt,
+            default_haystack="repeat",
+            max_new_tokens=30,
+        ),
+        _spec(
+            "cwe",
+            "common words extraction: the 10 most common words of a numbered list (RULER cwe)",
+            _build_cwe,
+            default_haystack="wordlist",
+            haystacks=("wordlist",),
+            optional=(_WORDLISTS,),
+            uses_depth=False,
+            max_new_tokens=120,
+        ),
+        _spec(
+            "fwe",
+            "frequent words extraction: the 3 most frequent coded words, Zipf alpha 2 (RULER fwe)",
+            _build_fwe,
+            default_haystack="coded",
+            haystacks=("coded",),
+            uses_depth=False,
+            max_new_tokens=50,
+        ),
     )
 }
 """All tasks by name."""
@@ -1001,11 +1101,15 @@ def available_tasks(data_dir: str | os.PathLike[str] | None = None) -> list[str]
     ]
 
 
-def _task_haystack(spec: TaskSpec, haystack: str | None, data_dir: str | os.PathLike[str] | None) -> Haystack | None:
+def _task_haystack(
+    spec: TaskSpec, haystack: str | None, data_dir: str | os.PathLike[str] | None
+) -> Haystack | None:
     """The filler haystack for a task (``None`` for tasks that build their own)."""
     name = haystack or spec.default_haystack
     if name not in spec.haystacks:
-        raise ValueError(f"task {spec.name!r} does not support haystack {name!r}; choose from {spec.haystacks}")
+        raise ValueError(
+            f"task {spec.name!r} does not support haystack {name!r}; choose from {spec.haystacks}"
+        )
     return load_haystack(name, data_dir) if name in HAYSTACKS else None
 
 

@@ -30,6 +30,10 @@ class Window(Method):
     positions: str = option("keep", "keep: original RoPE positions; shift: positions inside the cache")
 
     evicts = True
+    bounded_memory = True
+    test_options = {"window": 8, "sinks": 2}
+    invalid_options = (({"window": 0}, "window"), ({"sinks": -1}, "sinks"), ({"ratio": 1.5}, "ratio"),
+                       ({"positions": "middle"}, "positions"))
 
     def __post_init__(self) -> None:
         self.check_range("window", 1)
@@ -61,8 +65,12 @@ class WindowLayer(CompressedLayer):
         budget = self.method.sinks + self.window
         if held <= budget:
             return
-        index = torch.cat([torch.arange(self.method.sinks), torch.arange(held - self.window, held)])
-        self.keep(index.to(self.device).view(1, 1, -1).expand(self.rows, self.keys.shape[1], -1))
+        # sinks are the first real tokens of each row (left padding is never a sink)
+        order = torch.arange(held, device=self.device).view(1, -1) + held * self.padding_flags()
+        sinks = order[:, : held - self.window].topk(self.method.sinks, dim=1, largest=False).indices
+        recent = torch.arange(held - self.window, held, device=self.device).view(1, -1).expand(self.rows, -1)
+        index = torch.cat([sinks, recent], dim=1)
+        self.keep(index.unsqueeze(1).expand(-1, self.keys.shape[1], -1))
 
     def reset(self) -> None:
         CompressedLayer.__init__(self, self.cache, self.layer_idx)

@@ -1,0 +1,136 @@
+"""The contract every registered method keeps: one test matrix over the registry.
+
+Invariants: options are validated with clear errors; generate() works on every supported architecture with
+batch 2 and left padding; the prefix pattern (prefill the context, then generate with context + question)
+continues exactly where the prefill stopped; ``nbytes`` is what the tensors hold; compression happens;
+memory stays bounded where promised; exact methods equal DynamicCache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+import kvweave
+from kvweave._compat import cache_kwarg
+from kvweave.cache import METHODS, parse_method
+
+import kvweave.methods  # noqa: F401  (fills the registry)
+
+NAMES = sorted(METHODS)
+
+
+def _method(name: str):
+    return parse_method(name, **METHODS[name].test_options)
+
+
+def _generate(model, ids, mask, cache, new_tokens=6):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         min_new_tokens=new_tokens, **{cache_kwarg(model): cache})
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_option_rejected(name):
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_method(f"{name}:no_such_option=1")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_invalid_options_rejected_with_name(name):
+    for options, option_name in METHODS[name].invalid_options:
+        with pytest.raises(ValueError, match=option_name):
+            parse_method(name, **options)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_describe_lists_options(name):
+    info = METHODS[name].describe()
+    assert info["name"] == name and info["summary"]
+    assert all(o["help"] for o in info["options"]), "every option needs a help text"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", NAMES)
+def test_generate_batch_left_padding(name, arch):
+    model = tiny_model(arch)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 150, (2, 40))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    cache = kvweave.make_cache(_method(name), model)
+    new = _generate(model, ids, mask, cache)
+    assert new.shape == (2, 6)
+    assert cache.get_seq_length() == 40 + 5  # the last generated token is not fed back
+    # batch rows equal their own single-row runs (batch alignment)
+    if METHODS[name].supports_batch:
+        single = _generate(model, ids[1:, 7:], mask[1:, 7:], kvweave.make_cache(_method(name), model))
+        assert torch.equal(new[1], single[0])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefix_pattern_continues_exactly(name):
+    """Prefill a context, then generate(context + question) == feeding the question by hand."""
+    model = tiny_model("llama")
+    torch.manual_seed(2)
+    context, question = torch.randint(3, 150, (1, 48)), torch.randint(3, 150, (1, 7))
+    full_ids = torch.cat([context, question], dim=1)
+
+    cache = kvweave.make_cache(_method(name), model)
+    with torch.no_grad():
+        model(context, **{cache_kwarg(model): cache})
+    via_generate = _generate(model, full_ids, torch.ones_like(full_ids), cache)
+
+    cache = kvweave.make_cache(_method(name), model)
+    by_hand, step = [], question
+    with torch.no_grad():
+        model(context, **{cache_kwarg(model): cache})
+        for _ in range(6):
+            logits = model(step, **{cache_kwarg(model): cache}).logits[:, -1]
+            step = logits.argmax(-1, keepdim=True)
+            by_hand.append(step)
+    assert torch.equal(via_generate, torch.cat(by_hand, dim=1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nbytes_counts_held_tensors_and_compresses(name):
+    model = tiny_model("llama")
+    cache = kvweave.make_cache(_method(name), model)
+    ids = torch.randint(3, 150, (1, 64))
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    held = cache.nbytes()
+    assert held > 0
+    assert held == sum(cache.stats()["layers"][i]["bytes"] for i in range(len(cache.layers)))
+    full_fp32 = cache.full_kv_bytes(bits=32)
+    if METHODS[name].exact:
+        assert held == full_fp32
+    else:
+        assert held < full_fp32, f"{name} holds {held} B, the exact fp32 cache {full_fp32} B"
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].bounded_memory])
+def test_memory_bounded_during_long_decoding(name):
+    model = tiny_model("llama")
+    cache = kvweave.make_cache(_method(name), model)
+    ids = torch.randint(3, 150, (1, 40))
+    _generate(model, ids, torch.ones_like(ids), cache, new_tokens=10)
+    after_short = cache.nbytes()
+    _generate(model, torch.randint(3, 150, (1, 40)), None, cache := kvweave.make_cache(_method(name), model), 60)
+    assert cache.nbytes() <= after_short * 1.05
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].exact])
+def test_exact_methods_equal_dynamic_cache(name):
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 150, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    ref = model.generate(ids, **kwargs, **{cache_kwarg(model): DynamicCache(config=model.config)})
+    out = model.generate(ids, **kwargs, **{cache_kwarg(model): kvweave.make_cache(name, model)})
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits)) <= 1e-5
