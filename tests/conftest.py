@@ -9,8 +9,15 @@ import torch
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024)
+TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
 def tiny_config(arch: str):
@@ -26,15 +33,29 @@ def tiny_config(arch: str):
     if arch == "mistral":
         return tf.MistralConfig(**TINY, sliding_window=None)
     if arch == "gemma3":
-        cfg = tf.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 4}, head_dim=16, sliding_window=8,
-                                  layer_types=["sliding_attention", "full_attention",
-                                               "sliding_attention", "full_attention"])
+        cfg = tf.Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 4},
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        )
         return cfg
     if arch == "deepseek_v3":
-        return tf.DeepseekV3Config(**{**TINY, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
-                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                                   num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                                   moe_intermediate_size=32, rope_interleave=False)
+        return tf.DeepseekV3Config(
+            **{**TINY, "num_key_value_heads": 4},
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            rope_interleave=False,
+        )
     raise ValueError(arch)
 
 

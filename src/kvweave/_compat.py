@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 import transformers
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 
 __all__ = [
     "Cache",
@@ -43,8 +49,14 @@ def default_layers(config: Any) -> list[CacheLayerMixin]:
     return list(DynamicCache(config=config).layers)
 
 
-def sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' own SDPA attention forward (the reference path)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -67,8 +79,9 @@ def mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def rotary_cos_sin(rotary_emb: torch.nn.Module, like: torch.Tensor, position_ids: torch.Tensor,
-                   layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    rotary_emb: torch.nn.Module, like: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin: [B, T, D]`` of the model's rotary embedding at (possibly fractional) ``position_ids``.
 
     Gemma3's rotary module takes the layer type (local / global RoPE bases); Llama-style ones do not.

@@ -26,8 +26,15 @@ _PREVIOUS_ATTR = "_kvweave_previous_attn_implementation"
 class AttendingLayer(Protocol):
     """A cache layer that computes attention over its own store."""
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor: ...
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor: ...
 
 
 class _Pending(threading.local):
@@ -58,8 +65,14 @@ def _take_pending(key: torch.Tensor) -> AttendingLayer | None:
     return layer
 
 
-def kvweave_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def kvweave_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Attention function: ``query: [B, Hq, q, D]``, ``key, value: [B, H, k, D]`` -> ``[B, q, Hq, D]``."""
     layer = _take_pending(key)
     if layer is None:

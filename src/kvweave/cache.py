@@ -37,7 +37,9 @@ def register(name: str) -> Any:
 
     def wrap(cls: type[Method]) -> type[Method]:
         if name in METHODS:
-            raise ValueError(f"method {name!r} is registered twice ({METHODS[name].__module__}, {cls.__module__})")
+            raise ValueError(
+                f"method {name!r} is registered twice ({METHODS[name].__module__}, {cls.__module__})"
+            )
         cls.name = name
         METHODS[name] = cls
         return cls
@@ -78,8 +80,11 @@ class Method:
 
     def spec(self) -> str:
         """``name:key=value,...`` with the options that differ from their defaults."""
-        changed = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                   if getattr(self, f.name) != f.default]
+        changed = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
         return self.name + (":" + ",".join(changed) if changed else "")
 
     @classmethod
@@ -89,11 +94,17 @@ class Method:
         return {
             "name": cls.name,
             "summary": cls.summary or (cls.__doc__ or "").strip().splitlines()[0],
-            "capabilities": {c: getattr(cls, c) for c in
-                             ("exact", "evicts", "needs_positions", "cross_layer", "supports_batch")},
+            "capabilities": {
+                c: getattr(cls, c)
+                for c in ("exact", "evicts", "needs_positions", "cross_layer", "supports_batch")
+            },
             "options": [
-                {"name": f.name, "type": _type_name(hints.get(f.name)), "default": f.default,
-                 "help": f.metadata.get("help", "")}
+                {
+                    "name": f.name,
+                    "type": _type_name(hints.get(f.name)),
+                    "default": f.default,
+                    "help": f.metadata.get("help", ""),
+                }
                 for f in dataclasses.fields(cls)
             ],
         }
@@ -110,7 +121,9 @@ class Method:
         """Raise ``ValueError`` naming the option, its value and the allowed values."""
         value, allowed = getattr(self, option_name), list(choices)
         if value not in allowed:
-            raise ValueError(f"{self.name}: option {option_name}={value!r} is not allowed; choose one of {allowed}")
+            raise ValueError(
+                f"{self.name}: option {option_name}={value!r} is not allowed; choose one of {allowed}"
+            )
 
 
 def _type_name(hint: Any) -> str:
@@ -150,7 +163,9 @@ def parse_method(spec: str | Method, **overrides: Any) -> Method:
     import kvweave.methods  # noqa: F401  (registers the built-in methods)
 
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))} (see `kvweave methods`)")
+        raise ValueError(
+            f"unknown method {name!r}; available: {', '.join(sorted(METHODS))} (see `kvweave methods`)"
+        )
     cls = METHODS[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     options: dict[str, Any] = {}
@@ -192,9 +207,11 @@ class KVCache(Cache):
             )
         self.num_kv_heads: int = self.config.num_key_value_heads
         self.head_dim: int = getattr(self.config, "head_dim", None) or (
-            self.config.hidden_size // self.config.num_attention_heads)
-        self.layer_types: list[str] = list(getattr(self.config, "layer_types", None)
-                                           or ["full_attention"] * self.config.num_hidden_layers)
+            self.config.hidden_size // self.config.num_attention_heads
+        )
+        self.layer_types: list[str] = list(
+            getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
+        )
         rotary = find_rotary(model)
         self.rotary = {t: Rotary(rotary, t) for t in set(self.layer_types)} if rotary is not None else {}
         self.shared: dict[str, Any] = {}  # state shared between layers (cross-layer methods)
@@ -239,15 +256,24 @@ class KVCache(Cache):
         """Per-layer detail: bytes held, entries held, tokens seen, and method-specific parts."""
         per_layer = []
         for idx, layer in enumerate(self.layers):
-            entry = {"layer": idx, "kind": type(layer).__name__, "seen": layer.get_seq_length(),
-                     "bytes": layer_nbytes(layer)}
+            entry = {
+                "layer": idx,
+                "kind": type(layer).__name__,
+                "seen": layer.get_seq_length(),
+                "bytes": layer_nbytes(layer),
+            }
             if hasattr(layer, "layer_stats"):
                 entry.update(layer.layer_stats())
             per_layer.append(entry)
         full = self.full_kv_bytes()
         held = self.nbytes()
-        return {"method": self.method.spec(), "bytes": held, "full_kv_bytes_16bit": full,
-                "compression": (full / held) if held else None, "layers": per_layer}
+        return {
+            "method": self.method.spec(),
+            "bytes": held,
+            "full_kv_bytes_16bit": full,
+            "compression": (full / held) if held else None,
+            "layers": per_layer,
+        }
 
 
 def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -312,8 +338,9 @@ class CompressedLayer(CacheLayerMixin):
         self.rows = key_states.shape[0]
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hand the new ``[B, H, q, D]`` tensors to kvweave's attention, which calls :meth:`attend`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -352,8 +379,15 @@ class CompressedLayer(CacheLayerMixin):
         self.rows = len(rows)
 
     # -- kvweave's attention step
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """Store the new tokens, attend over everything held, then let the method compress.
 
         ``query: [B, Hq, q, D]``, ``key, value: [B, H, q, D]`` (post-RoPE) -> ``[B, q, Hq, D]``.
@@ -364,8 +398,11 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += q_len
         if first == 0:
             padding = self.padding(attention_mask)
-            self.pad_count = (padding[:, 0].sum(-1) if padding is not None
-                              else torch.zeros(self.rows, dtype=torch.int64, device=self.device))
+            self.pad_count = (
+                padding[:, 0].sum(-1)
+                if padding is not None
+                else torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+            )
         keys, values = self.attention_keys_values(query)
         if self.slots is None:  # nothing evicted: transformers' own path, exact
             out, _ = sdpa_attention(module, query, keys, values, attention_mask, **kwargs)
@@ -445,7 +482,9 @@ class CompressedLayer(CacheLayerMixin):
         return {"entries": self.entries()}
 
 
-def visible_mask(attention_mask: torch.Tensor | None, slots: torch.Tensor, first: int, q_len: int) -> torch.Tensor:
+def visible_mask(
+    attention_mask: torch.Tensor | None, slots: torch.Tensor, first: int, q_len: int
+) -> torch.Tensor:
     """``[B, H, q, T]`` bool: which held entries (``slots: [B, H, T]``) each new query may attend to.
 
     ``attention_mask: [B, 1, q, N]`` is transformers' mask over tokens (``None`` means plain causal without
@@ -460,8 +499,9 @@ def visible_mask(attention_mask: torch.Tensor | None, slots: torch.Tensor, first
     return mask.expand(b, h, -1, -1).gather(3, index)
 
 
-def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                     scaling: float | None) -> torch.Tensor:
+def masked_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
     """Grouped-query attention with a per-KV-head mask.
 
     ``query: [B, Hq, q, D]``, ``keys, values: [B, H, T, D]``, ``mask: [B, H, q, T]`` -> ``[B, q, Hq, D]``.
@@ -471,10 +511,13 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     h = keys.shape[1]
     groups = hq // h
     packed = query.reshape(b, h, groups * q_len, d)
-    packed_mask = mask.unsqueeze(2).expand(b, h, groups, q_len, mask.shape[-1]).reshape(b, h, groups * q_len, -1)
+    packed_mask = (
+        mask.unsqueeze(2).expand(b, h, groups, q_len, mask.shape[-1]).reshape(b, h, groups * q_len, -1)
+    )
     # A query row with nothing visible (a padding token) would give NaN; let it see everything instead:
     # its output is never used by real tokens.
     packed_mask = packed_mask | ~packed_mask.any(dim=-1, keepdim=True)
-    out = F.scaled_dot_product_attention(packed, keys.to(query.dtype), values.to(query.dtype),
-                                         attn_mask=packed_mask, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        packed, keys.to(query.dtype), values.to(query.dtype), attn_mask=packed_mask, scale=scaling
+    )
     return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous()

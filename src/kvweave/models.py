@@ -516,6 +516,15 @@ def _install_missing(spec: ModelSpec) -> None:
             )
 
 
+def _relax_permissions(folder: Path) -> None:
+    """Give the saved files the usual umask-based mode (some writers create them 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def _move_into_place(staged: Path, final: Path) -> None:
     """Rename ``staged`` to ``final``, first moving aside any stale folder already there."""
     if final.exists():
@@ -561,6 +570,7 @@ def pull(name: str, progress: bool = True) -> Path:
                     "`gguf` package is installed and transformers supports this architecture"
                 ) from exc
             _write_manifest(spec, out, time.perf_counter() - start)
+            _relax_permissions(out)
             _move_into_place(out, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

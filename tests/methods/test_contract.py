@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import DynamicCache
 
 import kvweave
+import kvweave.methods  # noqa: F401  (fills the registry)
+from conftest import tiny_model
 from kvweave._compat import cache_kwarg
 from kvweave.cache import METHODS, parse_method
-
-import kvweave.methods  # noqa: F401  (fills the registry)
 
 NAMES = sorted(METHODS)
 
@@ -27,9 +26,15 @@ def _method(name: str):
 
 
 def _generate(model, ids, mask, cache, new_tokens=6):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                         min_new_tokens=new_tokens, **{cache_kwarg(model): cache})
-    return out[:, ids.shape[1]:]
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        min_new_tokens=new_tokens,
+        **{cache_kwarg(model): cache},
+    )
+    return out[:, ids.shape[1] :]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -118,7 +123,9 @@ def test_memory_bounded_during_long_decoding(name):
     ids = torch.randint(3, 150, (1, 40))
     _generate(model, ids, torch.ones_like(ids), cache, new_tokens=10)
     after_short = cache.nbytes()
-    _generate(model, torch.randint(3, 150, (1, 40)), None, cache := kvweave.make_cache(_method(name), model), 60)
+    _generate(
+        model, torch.randint(3, 150, (1, 40)), None, cache := kvweave.make_cache(_method(name), model), 60
+    )
     assert cache.nbytes() <= after_short * 1.05
 
 
@@ -128,8 +135,13 @@ def test_exact_methods_equal_dynamic_cache(name):
     ids = torch.randint(3, 150, (2, 30))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     ref = model.generate(ids, **kwargs, **{cache_kwarg(model): DynamicCache(config=model.config)})
     out = model.generate(ids, **kwargs, **{cache_kwarg(model): kvweave.make_cache(name, model)})
     assert torch.equal(ref.sequences, out.sequences)

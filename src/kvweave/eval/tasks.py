@@ -453,22 +453,23 @@ def _words(data_dir: str | os.PathLike[str] | None) -> _Words:
 # filler assembly: per-unit token counts cached per (tokenizer, haystack)
 # --------------------------------------------------------------------------------------------
 
-_PREFIX_CACHE: dict[tuple[int, str, int], tuple[Any, list[int]]] = {}
+_PREFIX_CACHE: dict[tuple[int, Haystack], tuple[Any, list[int]]] = {}
 
 
 def _prefix_counts(tok: Tokenizer, hay: Haystack) -> list[int]:
     """Prefix sums of the token counts of ``hay.units`` (computed once per tokenizer)."""
-    key = (id(tok), hay.name, len(hay.units))
+    key = (id(tok), hay)
     hit = _PREFIX_CACHE.get(key)
     if hit is not None:
-        ref = hit[0]
-        if (ref() if isinstance(ref, weakref.ref) else ref) is tok:
+        held = hit[0]
+        if (held() if isinstance(held, weakref.ref) else held) is tok:
             return hit[1]
     counts = [len(ids) for ids in _encode_many(tok, hay.units)]
     prefix = [0, *accumulate(counts)]
+    ref: Any
     try:
-        ref: Any = weakref.ref(tok)
-    except TypeError:
+        ref = weakref.ref(tok)
+    except TypeError:  # not weak-referenceable: keep it alive so its id is not reused
         ref = tok
     if len(_PREFIX_CACHE) >= 8:
         _PREFIX_CACHE.pop(next(iter(_PREFIX_CACHE)))
@@ -1125,11 +1126,14 @@ def make_sample(
 ) -> Sample:
     """Generate one sample of ``task`` whose context has ``context_tokens`` tokens.
 
-    Deterministic given all arguments (and the optional data found).  ``depth`` (0..1) places
-    the first needle (for multi-needle tasks the others are spread evenly from it, wrapping
-    around); ``None`` draws a seeded random depth; depth-free tasks (cwe, fwe) ignore it.
-    The measured length is within ``tolerance`` tokens of the target (default
-    ``max(8, context_tokens // 200)``), except that tasks built of coarse units (lines of
+    ``context_tokens`` counts the context alone (instruction + document), not the question
+    or any chat template.  Deterministic given all arguments (and the optional data found).
+    ``depth`` (0..1, fraction of the filler tokens before it) places the first needle; the
+    other needles of multi-needle tasks are spread evenly from it, wrapping around (vt keeps
+    its chain in document order over those same positions); ``None`` draws a seeded random
+    depth; depth-free tasks (cwe, fwe) ignore it.  ``haystack`` overrides the task's default
+    filler (see :data:`TASKS`).  The measured length is within ``tolerance`` tokens of the target (default
+    ``max(8, context_tokens // 1000)``), except that tasks built of coarse units (lines of
     needles, list entries) may end up to one unit short.  Raises ``ValueError`` for unknown
     tasks/haystacks or a target too small for the task, :class:`TaskDataMissing` for missing
     required data.
@@ -1153,7 +1157,7 @@ def make_sample(
         words=_words(data_dir),
     )
     plan = spec.builder(ctx)
-    tol = max(8, context_tokens // 200) if tolerance is None else tolerance
+    tol = max(8, context_tokens // 1000) if tolerance is None else tolerance
     draft, measured = _fit(plan, tokenizer, context_tokens, tol)
     meta = {"target_tokens": context_tokens, "tolerance": tol, "wordlist": ctx.words.source, **draft.meta}
     meta.setdefault("haystack", haystack or spec.default_haystack)

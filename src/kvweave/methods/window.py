@@ -26,14 +26,20 @@ class Window(Method):
 
     window: int = option(1024, "recent tokens kept")
     sinks: int = option(4, "first tokens always kept (attention sinks)")
-    ratio: float | None = option(None, "fraction of the prompt kept (sets window at prefill; overrides window)")
+    ratio: float | None = option(
+        None, "fraction of the prompt kept (sets window at prefill; overrides window)"
+    )
     positions: str = option("keep", "keep: original RoPE positions; shift: positions inside the cache")
 
     evicts = True
     bounded_memory = True
     test_options = {"window": 8, "sinks": 2}
-    invalid_options = (({"window": 0}, "window"), ({"sinks": -1}, "sinks"), ({"ratio": 1.5}, "ratio"),
-                       ({"positions": "middle"}, "positions"))
+    invalid_options = (
+        ({"window": 0}, "window"),
+        ({"sinks": -1}, "sinks"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"positions": "middle"}, "positions"),
+    )
 
     def __post_init__(self) -> None:
         self.check_range("window", 1)

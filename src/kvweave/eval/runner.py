@@ -1,0 +1,388 @@
+"""``kvweave eval``: run methods × tasks × context lengths × trials on a real model, as JSONL rows.
+
+Question-agnostic by default (as a multi-turn chat, and as kvpress evaluates): the chat prompt up to the end
+of the document is prefilled into the cache first, so the method compresses without knowing the question;
+then ``model.generate`` is called with the whole prompt (document + question + answer prefix) and the same
+cache, and continues where the prefill stopped. ``question_aware=True`` puts the question inside the
+prefill instead.
+
+Every row records the method and options, task, context length, depth, seed, score, the KV bytes held (max
+over the run), the bytes a 16-bit ``DynamicCache`` would hold for the same tokens, prefill seconds and decode
+tokens per second. Rows are appended to ``rows.jsonl`` in the run folder as they finish; a rerun skips the
+finished ones, so an interrupted run loses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvweave._compat import TRANSFORMERS_VERSION, cache_kwarg
+from kvweave.cache import make_cache, parse_method
+from kvweave.eval import tasks as task_lib
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """What one ``kvweave eval`` run covers."""
+
+    model: str
+    tasks: list[str]
+    contexts: list[int]
+    methods: list[str]
+    trials: int = 3
+    question_aware: bool = False
+    dtype: str = "float32"
+    haystack: str | None = None
+    data_dir: str | None = None
+    seed: int = 0
+    beyond_trained: bool = False
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise ValueError(f"--trials must be at least 1, got {self.trials}")
+        for task in self.tasks:
+            if task not in task_lib.TASKS:
+                raise ValueError(f"unknown task {task!r}; available: {', '.join(task_lib.TASKS)}")
+        for context in self.contexts:
+            if context < 64:
+                raise ValueError(f"context length {context} is too short; use at least 64 tokens")
+        for spec in self.methods:
+            parse_method(spec)  # validates names and options before any model is loaded
+
+
+@dataclasses.dataclass
+class Trial:
+    """One unit of work (one row)."""
+
+    task: str
+    context: int
+    method: str
+    trial: int
+    depth: float
+    seed: int
+
+    def key(self) -> str:
+        """Identity of the row, used to skip finished work on rerun."""
+        return f"{self.method}|{self.task}|{self.context}|{self.trial}"
+
+
+def plan(config: EvalConfig) -> list[Trial]:
+    """All trials of a run, in a stable order (the same sample for every method)."""
+    depth_list = task_lib.depths(config.trials)
+    return [
+        Trial(task, context, parse_method(spec).spec(), trial, depth_list[trial], config.seed * 1000 + trial)
+        for task in config.tasks
+        for context in config.contexts
+        for trial in range(config.trials)
+        for spec in config.methods
+    ]
+
+
+# ----------------------------------------------------------------------------------------- prompts
+
+
+def build_prompt(
+    tokenizer: Any, sample: task_lib.Sample, question_aware: bool
+) -> tuple[list[int], list[int]]:
+    """``(prefill_ids, full_ids)``: the prefix compressed before the question, and the whole prompt."""
+    marker = "\u2063KVWEAVE_QUESTION\u2063"
+    user = f"{sample.context}\n\n{marker}{sample.question}"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = user + "\n"
+    text += sample.answer_prefix
+    before, after = text.split(marker)
+    prefix_ids = tokenizer.encode(before, add_special_tokens=not getattr(tokenizer, "chat_template", None))
+    rest_ids = tokenizer.encode(after, add_special_tokens=False)
+    full = prefix_ids + rest_ids
+    if question_aware:
+        return full[:-1], full
+    return prefix_ids, full
+
+
+# ----------------------------------------------------------------------------------------- one trial
+
+
+class _StepClock:
+    """A logits processor that timestamps every decoding step of ``generate``."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_trial(
+    model: Any, tokenizer: Any, config: EvalConfig, trial: Trial, sample: task_lib.Sample
+) -> dict[str, Any]:
+    """Prefill, compress, answer; one result row."""
+    from transformers import LogitsProcessorList
+
+    prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
+    check_length(model, len(full_ids), config.beyond_trained)
+    cache = make_cache(trial.method, model)
+    kw = cache_kwarg(model)
+    prefix = torch.tensor([prefill_ids])
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(prefix, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    prefill_s = time.perf_counter() - start
+    held_after_prefill = cache.nbytes()
+
+    spec = task_lib.TASKS[trial.task]
+    max_new = config.max_new_tokens or spec.max_new_tokens
+    clock = _StepClock()
+    full = torch.tensor([full_ids])
+    with torch.no_grad():
+        out = model.generate(
+            full,
+            attention_mask=torch.ones_like(full),
+            max_new_tokens=max_new,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            **{kw: cache},
+        )
+    new_ids = out[0, full.shape[1] :].tolist()
+    prediction = tokenizer.decode(new_ids, skip_special_tokens=True)
+    steps = len(clock.times) - 1
+    decode_s = clock.times[-1] - clock.times[0] if steps > 0 else float("nan")
+    held = max(held_after_prefill, cache.nbytes())
+    full_bytes = cache.full_kv_bytes(bits=16)
+    return {
+        "model": config.model,
+        "method": trial.method,
+        "options": parse_method(trial.method).options(),
+        "task": trial.task,
+        "context": trial.context,
+        "context_tokens": len(prefill_ids),
+        "prompt_tokens": len(full_ids),
+        "trial": trial.trial,
+        "depth": round(trial.depth, 3),
+        "seed": trial.seed,
+        "question_aware": config.question_aware,
+        "score": task_lib.score(sample, prediction),
+        "prediction": prediction,
+        "answers": sample.answers,
+        "kv_bytes": held,
+        "full_kv_bytes": full_bytes,
+        "compression": full_bytes / held if held else None,
+        "prefill_s": round(prefill_s, 4),
+        "decode_tok_s": steps / decode_s if steps > 0 else None,
+        "new_tokens": len(new_ids),
+        "key": trial.key(),
+    }
+
+
+def trained_context(model: Any) -> int:
+    """The longest context the model was trained for (``max_position_embeddings``)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def check_length(model: Any, prompt_tokens: int, beyond_trained: bool) -> None:
+    """Refuse prompts beyond the model's trained context unless explicitly allowed."""
+    limit = trained_context(model)
+    if limit and prompt_tokens > limit and not beyond_trained:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens but the model was trained for {limit}; pass "
+            "--beyond-trained to run past the trained range on purpose (e.g. to test RoPE compensation), "
+            "or use a shorter --context"
+        )
+
+
+# ----------------------------------------------------------------------------------------- run folder
+
+
+def environment() -> dict[str, Any]:
+    """Hardware, versions and git revision, written beside every run."""
+    try:
+        revision = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        revision = ""
+    import kvweave
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": TRANSFORMERS_VERSION,
+        "kvweave": kvweave.__version__,
+        "git": revision,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def finished_keys(rows_path: Path) -> set[str]:
+    """Keys of rows already written (a truncated last line from a crash is ignored)."""
+    keys: set[str] = set()
+    if rows_path.exists():
+        for line in rows_path.read_text().splitlines():
+            try:
+                keys.add(json.loads(line)["key"])
+            except (json.JSONDecodeError, KeyError):
+                continue
+    return keys
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a run folder (or a rows file)."""
+    rows_path = path / "rows.jsonl" if path.is_dir() else path
+    rows = []
+    for line in rows_path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def run(
+    config: EvalConfig,
+    out_dir: Path | None = None,
+    progress: bool = True,
+    model_and_tokenizer: tuple[Any, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) an evaluation; returns all rows of the run (old and new)."""
+    from tqdm import tqdm
+
+    todo = plan(config)
+    rows_path = None
+    done: set[str] = set()
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(
+            json.dumps({"config": dataclasses.asdict(config), "environment": environment()}, indent=2)
+        )
+        rows_path = out_dir / "rows.jsonl"
+        done = finished_keys(rows_path)
+    todo = [t for t in todo if t.key() not in done]
+    if model_and_tokenizer is None and todo:
+        from kvweave.models import load_model
+
+        model_and_tokenizer = load_model(config.model, dtype=config.dtype)
+    rows: list[dict[str, Any]] = []
+    samples: dict[tuple[str, int, int], task_lib.Sample] = {}
+    bar = tqdm(todo, desc="eval", unit="trial", disable=not progress, dynamic_ncols=True)
+    for trial in bar:
+        bar.set_postfix_str(f"{trial.method} {trial.task} {trial.context}")
+        assert model_and_tokenizer is not None
+        model, tokenizer = model_and_tokenizer
+        sample_key = (trial.task, trial.context, trial.trial)
+        if sample_key not in samples:
+            samples[sample_key] = task_lib.make_sample(
+                trial.task,
+                tokenizer,
+                trial.context,
+                depth=trial.depth,
+                seed=trial.seed,
+                haystack=config.haystack,
+                data_dir=config.data_dir,
+            )
+        row = run_trial(model, tokenizer, config, trial, samples[sample_key])
+        rows.append(row)
+        if rows_path is not None:
+            with rows_path.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+    if out_dir is not None:
+        return read_rows(out_dir)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+def summarize(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (model, method, task, context): accuracy, n, bytes, compression, speed."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[(row.get("model"), row["method"], row["task"], row["context"])].append(row)
+    summary = []
+    for (model, method, task, context), members in groups.items():
+        speeds = [r["decode_tok_s"] for r in members if r.get("decode_tok_s")]
+        kv = max(r["kv_bytes"] for r in members)
+        full = max(r["full_kv_bytes"] for r in members)
+        summary.append(
+            {
+                "model": model,
+                "method": method,
+                "options": members[0].get("options", {}),
+                "task": task,
+                "context": context,
+                "accuracy": sum(r["score"] for r in members) / len(members),
+                "n": len(members),
+                "kv_bytes": kv,
+                "full_kv_bytes": full,
+                "compression": full / kv if kv else None,
+                "prefill_s": _median([r["prefill_s"] for r in members]),
+                "decode_tok_s": _median(speeds) if speeds else None,
+            }
+        )
+    return sorted(summary, key=lambda s: (s["task"], s["context"], s["method"]))
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def add_speed_ratios(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decode speed as a ratio against ``full`` of the same task and length in the same run."""
+    full = {(s["task"], s["context"]): s["decode_tok_s"] for s in summary if s["method"] == "full"}
+    for entry in summary:
+        reference = full.get((entry["task"], entry["context"]))
+        entry["speed_vs_full"] = (
+            entry["decode_tok_s"] / reference if reference and entry["decode_tok_s"] else None
+        )
+    return summary
+
+
+def format_table(summary: list[dict[str, Any]]) -> str:
+    """A plain-text table of a summary."""
+    header = (
+        f"{'method':<34} {'task':<16} {'context':>7} {'acc':>6} {'n':>3} {'KV MB':>8} {'x':>6} "
+        f"{'prefill s':>9} {'tok/s':>6} {'vs full':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in summary:
+        ratio = s.get("speed_vs_full")
+        lines.append(
+            f"{s['method']:<34} {s['task']:<16} {s['context']:>7} {100 * s['accuracy']:>5.0f}% {s['n']:>3} "
+            f"{s['kv_bytes'] / 2**20:>8.2f} {s['compression'] or 0:>6.2f} {s['prefill_s']:>9.2f} "
+            f"{s['decode_tok_s'] or 0:>6.1f} {('%.2f' % ratio) if ratio else '-':>7}"
+        )
+    return "\n".join(lines)
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Rows of a JSONL file."""
+    yield from read_rows(path)
