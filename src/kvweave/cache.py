@@ -64,7 +64,9 @@ class Method:
     cross_layer: ClassVar[bool] = False  # shares state between layers
     supports_batch: ClassVar[bool] = True
     uses_kvweave_attention: ClassVar[bool] = True  # needs kvweave.prepare(model)
+    exact_prefill: ClassVar[bool] = True  # prefill attention is exact (compression happens after it)
     bounded_memory: ClassVar[bool] = False  # entries held stay bounded however long decoding runs
+    compresses: ClassVar[bool] = True  # holds fewer bytes than the exact cache (False: exact or position-only)
     # For the contract test: options that make the method compress a ~40-token prompt, and option sets
     # that must be rejected (each with the name of the offending option).
     test_options: ClassVar[dict[str, Any]] = {}

@@ -48,6 +48,7 @@ class EvalConfig:
     seed: int = 0
     beyond_trained: bool = False
     max_new_tokens: int | None = None
+    shared_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.trials < 1:
@@ -129,8 +130,35 @@ class _StepClock:
         return scores
 
 
+class SharedPrefill:
+    """The exact prefill of the current sample, recorded once and replayed into each method's cache."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.recorded: list[Any] = []
+        self.seconds = 0.0
+
+    def fill(self, model: Any, cache: Any, prefill_ids: list[int], key: tuple[Any, ...]) -> float:
+        """Fill ``cache``; returns the prefill seconds charged to it (shared prefill + its own replay)."""
+        from kvweave.eval.prefill import record_prefill, replay_prefill
+
+        if self.key != key:
+            self.recorded = []  # free the previous sample first
+            start = time.perf_counter()
+            self.recorded = record_prefill(model, torch.tensor([prefill_ids]))
+            self.seconds, self.key = time.perf_counter() - start, key
+        start = time.perf_counter()
+        replay_prefill(cache, self.recorded)
+        return self.seconds + time.perf_counter() - start
+
+
 def run_trial(
-    model: Any, tokenizer: Any, config: EvalConfig, trial: Trial, sample: task_lib.Sample
+    model: Any,
+    tokenizer: Any,
+    config: EvalConfig,
+    trial: Trial,
+    sample: task_lib.Sample,
+    shared: SharedPrefill | None = None,
 ) -> dict[str, Any]:
     """Prefill, compress, answer; one result row."""
     from transformers import LogitsProcessorList
@@ -139,11 +167,14 @@ def run_trial(
     check_length(model, len(full_ids), config.beyond_trained)
     cache = make_cache(trial.method, model)
     kw = cache_kwarg(model)
-    prefix = torch.tensor([prefill_ids])
-    start = time.perf_counter()
-    with torch.no_grad():
-        model(prefix, **{kw: cache}, use_cache=True, logits_to_keep=1)
-    prefill_s = time.perf_counter() - start
+    replayed = shared is not None and cache.method.exact_prefill
+    if shared is not None and replayed:
+        prefill_s = shared.fill(model, cache, prefill_ids, (trial.task, trial.context, trial.trial))
+    else:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(torch.tensor([prefill_ids]), **{kw: cache}, use_cache=True, logits_to_keep=1)
+        prefill_s = time.perf_counter() - start
     held_after_prefill = cache.nbytes()
 
     spec = task_lib.TASKS[trial.task]
@@ -185,6 +216,7 @@ def run_trial(
         "full_kv_bytes": full_bytes,
         "compression": full_bytes / held if held else None,
         "prefill_s": round(prefill_s, 4),
+        "shared_prefill": replayed,
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
         "key": trial.key(),
@@ -289,6 +321,7 @@ def run(
         model_and_tokenizer = load_model(config.model, dtype=config.dtype)
     rows: list[dict[str, Any]] = []
     samples: dict[tuple[str, int, int], task_lib.Sample] = {}
+    shared = SharedPrefill() if config.shared_prefill else None
     bar = tqdm(todo, desc="eval", unit="trial", disable=not progress, dynamic_ncols=True)
     for trial in bar:
         bar.set_postfix_str(f"{trial.method} {trial.task} {trial.context}")
@@ -305,7 +338,7 @@ def run(
                 haystack=config.haystack,
                 data_dir=config.data_dir,
             )
-        row = run_trial(model, tokenizer, config, trial, samples[sample_key])
+        row = run_trial(model, tokenizer, config, trial, samples[sample_key], shared)
         rows.append(row)
         if rows_path is not None:
             with rows_path.open("a") as handle:
