@@ -31,7 +31,7 @@ def _ints(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated token counts like 2048,4096, got {text!r}"
-        )
+        ) from None
     return values
 
 
@@ -176,6 +176,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from kvweave.report import write_report
+
+    runs = write_report(args.runs, args.output, markdown=args.md)
+    print(f"report: {args.output} ({sum(len(r.rows) for r in runs)} rows from {len(runs)} run(s))")
+    if args.md:
+        print(f"summary: {args.md}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvweave import demo
+    from kvweave.eval import runner
+
+    summary, folder = demo.run_demo(
+        model=args.model,
+        context=args.context,
+        trials=args.trials,
+        methods=_split(args.methods) if args.methods else None,
+        out=args.out,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(runner.format_table(summary))
+    print(f"\nrun folder: {folder}\nreport: {folder / 'report.html'}\nsummary: {folder / 'summary.md'}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- parser
 
 
@@ -264,8 +292,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, help="override the task's answer length")
     p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
+    p.add_argument(
+        "--no-shared-prefill",
+        action="store_true",
+        help="run a real prefill per method instead of replaying one exact prefill per sample "
+        "(methods with exact prefill attention only; results are identical, see eval/prefill.py)",
+    )
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "summary": [...]}')
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "report",
+        help="HTML report + markdown summary from run folders",
+        description="Write one self-contained HTML page (NIAH heatmaps, accuracy-vs-compression "
+        "frontiers, memory and speed vs context, tables) from one or more run folders, and optionally "
+        "a markdown summary with the commands that produced them.",
+    )
+    p.add_argument("runs", nargs="+", help="run folders (written by `kvweave eval --out` or `kvweave demo`)")
+    p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument("--md", help="also write a markdown summary here")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "demo",
+        help="every registered method at ~4x vs full, in minutes",
+        epilog=EPILOG,
+        description="Question-agnostic passkey + niah_multikey on the default model at one context "
+        "length: full, the registered baselines at ~4x (ratio=0.25, quant bits=4) and kvweave's methods; "
+        "prints the table and writes the run folder with report.html and summary.md.",
+    )
+    p.add_argument(
+        "--model", default="qwen2.5-coder-0.5b", help="registry name or a local Hugging Face folder"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--context", type=int, default=2048, help="context length in tokens (default 2048)")
+    p.add_argument("--trials", type=int, default=3, help="trials per task (needle depths 10-90%%)")
+    p.add_argument("--methods", help="comma-separated method specs (default: the registered ones at ~4x)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="answer length (default 16)")
+    p.add_argument("--out", help="run folder (default runs/demo-<model>-<context>); a rerun resumes")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 

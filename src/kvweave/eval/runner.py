@@ -283,6 +283,15 @@ def finished_keys(rows_path: Path) -> set[str]:
     return keys
 
 
+def _end_with_newline(path: Path) -> None:
+    """After a crash mid-write, start the next row on a line of its own (the torn one is ignored)."""
+    if path.exists() and path.stat().st_size:
+        with path.open("rb+") as handle:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.write(b"\n")
+
+
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """Rows of a run folder (or a rows file)."""
     rows_path = path / "rows.jsonl" if path.is_dir() else path
@@ -314,6 +323,7 @@ def run(
         )
         rows_path = out_dir / "rows.jsonl"
         done = finished_keys(rows_path)
+        _end_with_newline(rows_path)
     todo = [t for t in todo if t.key() not in done]
     if model_and_tokenizer is None and todo:
         from kvweave.models import load_model

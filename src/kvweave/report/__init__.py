@@ -1,0 +1,52 @@
+"""``kvweave report``: an HTML page and a markdown summary generated from run folders.
+
+Results are data, the report is derived from them (never the other way round)::
+
+    from kvweave.report import write_report
+    write_report(["runs/demo-qwen2.5-coder-0.5b-2048"], "report.html", markdown="summary.md")
+
+The page is self-contained (inline CSS and SVG charts, no scripts, nothing fetched): NIAH heatmaps (depth
+x context per method and task), accuracy-vs-compression frontiers per task, KV memory and decode speed
+against context length, and tables with speed as a ratio against ``full`` in the same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvweave.report.data import Run, load_run
+
+__all__ = ["Run", "load_run", "render_html", "render_markdown", "write_report"]
+
+
+def render_html(runs: Sequence[Run]) -> str:
+    """The HTML page for ``runs``."""
+    from kvweave.report import page
+
+    return page.render(list(runs))
+
+
+def render_markdown(runs: Sequence[Run]) -> str:
+    """The markdown summary for ``runs``."""
+    from kvweave.report import markdown
+
+    return markdown.render(list(runs))
+
+
+def write_report(
+    run_dirs: Sequence[str | Path], html: str | Path, markdown: str | Path | None = None
+) -> list[Run]:
+    """Read ``run_dirs``, write the HTML page to ``html`` (and the markdown summary to ``markdown``)."""
+    if not run_dirs:
+        raise ValueError("give at least one run folder (a folder written by `kvweave eval --out`)")
+    runs = [load_run(folder) for folder in run_dirs]
+    empty = [run.name for run in runs if not run.rows]
+    if len(empty) == len(runs):
+        raise ValueError(f"no result rows in {', '.join(empty)}; nothing to report")
+    Path(html).parent.mkdir(parents=True, exist_ok=True)
+    Path(html).write_text(render_html(runs), encoding="utf-8")
+    if markdown is not None:
+        Path(markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(markdown).write_text(render_markdown(runs), encoding="utf-8")
+    return runs

@@ -1,0 +1,98 @@
+"""The markdown summary: the overview and per-run tables, with the command that produced each run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvweave.report import data, page
+from kvweave.report.data import Run
+
+
+def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
+    rule = ["---:" if a == "r" else ":---" for a in align]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _num(value: Any, pattern: str) -> str:
+    return "-" if value is None else pattern % value
+
+
+def overview_markdown(summary: list[dict[str, Any]]) -> str:
+    """Accuracy per task for every (model, method), with compression, memory and speed ratio."""
+    tasks, lines = data.overview(summary)
+    several = len({line["model"] for line in lines}) > 1
+    header = ["method", *tasks, "compression", "KV MiB (longest context)", "decode vs full"]
+    rows = [
+        [
+            f"`{line['method']}`" if not several else f"{line['model']} `{line['method']}`",
+            *[_pct(line["accuracy"][t]) for t in tasks],
+            _num(line["compression"], "%.2fx"),
+            f"{line['kv_mb']:.2f} @ {line['longest']}",
+            _num(line["speed_vs_full"], "%.2f"),
+        ]
+        for line in lines
+    ]
+    return _table(header, rows, ["l"] + ["r"] * (len(header) - 1))
+
+
+def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
+    """One run: its command, environment and per-(method, task, context) table."""
+    header = [
+        "method",
+        "task",
+        "context",
+        "accuracy",
+        "n",
+        "KV MiB",
+        "compression",
+        "prefill s",
+        "tok/s",
+        "vs full",
+    ]
+    rows = [
+        [
+            f"`{s['method']}`",
+            s["task"],
+            str(s["context"]),
+            _pct(s["accuracy"]),
+            str(s["n"]),
+            f"{s['kv_bytes'] / 2**20:.2f}",
+            _num(s.get("compression"), "%.2fx"),
+            _num(s.get("prefill_s"), "%.2f"),
+            _num(s.get("decode_tok_s"), "%.1f"),
+            _num(s.get("speed_vs_full"), "%.2f"),
+        ]
+        for s in summary
+    ]
+    parts = [f"### {run.name}", ""]
+    if run.command:
+        parts += ["Produced by:", "", "```sh", run.command, "```", ""]
+    if run.environment:
+        parts += [f"Environment: {page.environment_line(run.environment)}.", ""]
+    parts.append(_table(header, rows, ["l", "l"] + ["r"] * 8))
+    return "\n".join(parts)
+
+
+def render(runs: list[Run]) -> str:
+    """The markdown summary of ``runs``."""
+    summaries = [data.run_summary(run) for run in runs]
+    summary = [entry for run_entries in summaries for entry in run_entries]
+    parts = [
+        "## kvweave results",
+        "",
+        "Accuracy per task (mean over context lengths and trials), mean compression (16-bit full-cache bytes "
+        "/ bytes held), KV memory at the longest context, and median decode speed as a ratio against `full` "
+        "measured in the same run.",
+        "",
+        overview_markdown(summary),
+        "",
+    ]
+    for run, run_entries in zip(runs, summaries, strict=True):
+        parts += [run_markdown(run, run_entries), ""]
+    return "\n".join(parts)

@@ -1,0 +1,285 @@
+"""The HTML report: one self-contained page (inline CSS and SVG, no scripts, nothing fetched)."""
+
+from __future__ import annotations
+
+import datetime
+from html import escape
+from typing import Any
+
+from kvweave.report import data, svg
+from kvweave.report.data import Run
+
+CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px 32px; color: #222;
+       background: #fff; max-width: 1340px; }
+h1 { font-size: 22px; margin: 0 0 4px; }
+h2 { font-size: 18px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+h3 { font-size: 14px; margin: 16px 0 6px; }
+p.note { color: #555; font-size: 13px; margin: 4px 0 10px; }
+.charts { display: flex; flex-wrap: wrap; gap: 12px; align-items: flex-start; }
+.charts svg { border: 1px solid #eee; }
+pre { background: #f6f6f6; padding: 6px 8px; font-size: 12px; white-space: pre-wrap; word-break: break-all; }
+table { border-collapse: collapse; font-size: 12px; margin: 6px 0 14px; }
+th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; }
+th { background: #f3f3f3; }
+td.name, th.name { text-align: left; }
+"""
+
+
+def _series_name(model: str, name: str, several_models: bool) -> str:
+    return f"{model} \u00b7 {name}" if several_models else name
+
+
+def series_colors(rows: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """A colour per (model, method), the same in every chart; a family's first method lends it its colour."""
+    keys = [
+        (model, method)
+        for model in data.models(rows)
+        for method in data.methods([r for r in rows if str(r.get("model")) == model])
+    ]
+    colors = {key: svg.PALETTE[i % len(svg.PALETTE)] for i, key in enumerate(keys)}
+    for model, method in keys:
+        colors.setdefault((model, data.family(method)), colors[(model, method)])
+    return colors
+
+
+def heatmap_section(rows: list[dict[str, Any]]) -> str:
+    """NIAH heatmaps: for each task with needle depths, one depth x context grid per (model, method)."""
+    several = len(data.models(rows)) > 1
+    parts = []
+    for task in data.tasks(rows):
+        task_rows = [r for r in rows if r["task"] == task and r.get("depth") is not None]
+        if not task_rows:
+            continue
+        charts = []
+        for model in data.models(task_rows):
+            for method in data.methods(task_rows):
+                members = [r for r in task_rows if r["method"] == method and str(r.get("model")) == model]
+                if not members:
+                    continue
+                depths, contexts, grid = data.heatmap_grid(members)
+                charts.append(
+                    svg.heatmap(
+                        [f"{100 * d:.0f}%" for d in depths],
+                        [svg.format_number(c) for c in contexts],
+                        grid,
+                        title=_series_name(model, method, several),
+                    )
+                )
+        parts.append(f'<h3>{escape(task)}</h3>\n<div class="charts">{"".join(charts)}</div>')
+    if not parts:
+        return ""
+    return (
+        '<section id="heatmaps"><h2>Needle retrieval: depth \u00d7 context length</h2>'
+        '<p class="note">Mean score (%) per needle depth and context length; one grid per method.</p>'
+        + "\n".join(parts)
+        + "</section>"
+    )
+
+
+def frontier_section(rows: list[dict[str, Any]]) -> str:
+    """Accuracy vs compression, one chart per task, one series per method family."""
+    colors = series_colors(rows)
+    several = len(data.models(rows)) > 1
+    charts = []
+    for task in data.tasks(rows):
+        series = []
+        for model in data.models(rows):
+            members = [r for r in rows if r["task"] == task and str(r.get("model")) == model]
+            for name, points in sorted(
+                data.frontier(members).items(), key=lambda kv: data.method_order(kv[0])
+            ):
+                series.append(
+                    svg.Series(
+                        _series_name(model, name, several),
+                        [(p.compression, p.accuracy) for p in points],
+                        [data.options_label(p.method) for p in points],
+                        color=colors.get((model, name), ""),
+                    )
+                )
+        charts.append(
+            svg.line_chart(
+                series,
+                title=f"{task}: accuracy vs compression",
+                x_label="compression (16-bit full-cache bytes / bytes held, log scale)",
+                y_label="accuracy",
+                x_log=True,
+                y_low=0.0,
+                y_high=1.0,
+                y_format=lambda v: f"{100 * v:.0f}%",
+            )
+        )
+    contexts = sorted({r["context"] for r in rows})
+    return (
+        '<section id="frontier"><h2>Quality vs compression</h2>'
+        f'<p class="note">Pooled over context lengths {", ".join(str(c) for c in contexts)}; points are '
+        "labelled by their options; up and to the right is better.</p>"
+        f'<div class="charts">{"".join(charts)}</div></section>'
+    )
+
+
+def _context_series(rows: list[dict[str, Any]], metric: str, scale: float) -> list[svg.Series]:
+    colors = series_colors(rows)
+    several = len(data.models(rows)) > 1
+    series = []
+    for model in data.models(rows):
+        members = [r for r in rows if str(r.get("model")) == model]
+        curves = data.by_context(members, metric)
+        for method in data.methods(members):
+            if method in curves:
+                points = [(float(c), v * scale) for c, v in curves[method]]
+                name = _series_name(model, method, several)
+                series.append(svg.Series(name, points, color=colors[(model, method)]))
+    return series
+
+
+def memory_speed_section(rows: list[dict[str, Any]]) -> str:
+    """KV memory held and decode speed against context length."""
+    memory = _context_series(rows, "kv_bytes", 1 / 2**20)
+    several = len(data.models(rows)) > 1
+    for model in data.models(rows):
+        members = [r for r in rows if str(r.get("model")) == model and r["method"] in data.REFERENCE_METHODS]
+        members = members or [r for r in rows if str(r.get("model")) == model]
+        reference = data.by_context(members, "full_kv_bytes")
+        points = sorted({float(c): v / 2**20 for curve in reference.values() for c, v in curve}.items())
+        memory.append(
+            svg.Series(
+                _series_name(model, "16-bit full cache", several), points, color="#555555", dashed=True
+            )
+        )
+    speed = _context_series(rows, "decode_tok_s", 1.0)
+    charts = [
+        svg.line_chart(
+            memory,
+            title="KV cache held vs context",
+            x_label="context tokens (log scale)",
+            y_label="KV MiB (max over the answer)",
+            x_log=True,
+            y_low=0.0,
+        ),
+        svg.line_chart(
+            speed,
+            title="decode speed vs context",
+            x_label="context tokens (log scale)",
+            y_label="decode tokens / s (median)",
+            x_log=True,
+            y_low=0.0,
+        ),
+    ]
+    return (
+        '<section id="memory-speed"><h2>Memory and speed</h2>'
+        '<p class="note">Memory is the bytes of the tensors the cache actually holds; speed is measured on '
+        "this run's machine, so compare it as a ratio against <code>full</code> (tables below).</p>"
+        f'<div class="charts">{"".join(charts)}</div></section>'
+    )
+
+
+def _fmt(value: Any, pattern: str, empty: str = "-") -> str:
+    return empty if value is None else pattern % value
+
+
+def overview_table(summary: list[dict[str, Any]]) -> str:
+    """Accuracy per task for every (model, method), with compression, memory and speed ratio."""
+    task_list, lines = data.overview(summary)
+    several = len({line["model"] for line in lines}) > 1
+    head = ['<th class="name">method</th>'] + [f"<th>{escape(t)}</th>" for t in task_list]
+    head += ["<th>compression</th>", "<th>KV MiB (longest)</th>", "<th>decode vs full</th>"]
+    body = []
+    for line in lines:
+        cells = [f'<td class="name">{escape(_series_name(str(line["model"]), line["method"], several))}</td>']
+        for task in task_list:
+            value = line["accuracy"][task]
+            cells.append(f"<td>{'-' if value is None else f'{100 * value:.0f}%'}</td>")
+        cells.append(f"<td>{_fmt(line['compression'], '%.2fx')}</td>")
+        cells.append(f"<td>{line['kv_mb']:.2f} @ {line['longest']}</td>")
+        cells.append(f"<td>{_fmt(line['speed_vs_full'], '%.2f')}</td>")
+        body.append(f"<tr>{''.join(cells)}</tr>")
+    return f"<table><tr>{''.join(head)}</tr>{''.join(body)}</table>"
+
+
+def summary_table(summary: list[dict[str, Any]]) -> str:
+    """Every (method, task, context) entry of one run."""
+    columns = [
+        "method", "task", "context", "accuracy", "n", "KV MiB", "compression", "prefill s", "decode tok/s",
+        "vs full",
+    ]  # fmt: skip
+    head = "".join(f'<th class="{"name" if c in ("method", "task") else ""}">{c}</th>' for c in columns)
+    body = []
+    for s in summary:
+        cells = [
+            f'<td class="name">{escape(s["method"])}</td>',
+            f'<td class="name">{escape(s["task"])}</td>',
+            f"<td>{s['context']}</td>",
+            f"<td>{100 * s['accuracy']:.0f}%</td>",
+            f"<td>{s['n']}</td>",
+            f"<td>{s['kv_bytes'] / 2**20:.2f}</td>",
+            f"<td>{_fmt(s.get('compression'), '%.2fx')}</td>",
+            f"<td>{_fmt(s.get('prefill_s'), '%.2f')}</td>",
+            f"<td>{_fmt(s.get('decode_tok_s'), '%.1f')}</td>",
+            f"<td>{_fmt(s.get('speed_vs_full'), '%.2f')}</td>",
+        ]
+        body.append(f"<tr>{''.join(cells)}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def environment_line(environment: dict[str, Any]) -> str:
+    """Hardware and versions in one line."""
+    keys = (
+        "machine",
+        "processor",
+        "cpus",
+        "threads",
+        "cuda",
+        "python",
+        "torch",
+        "transformers",
+        "kvweave",
+        "git",
+    )
+    return ", ".join(f"{k} {environment[k]}" for k in keys if environment.get(k) not in (None, ""))
+
+
+def runs_section(runs: list[Run], summaries: list[list[dict[str, Any]]]) -> str:
+    """Per run: the command that produced it, its environment and its full summary table."""
+    parts = ['<section id="runs"><h2>Runs</h2>']
+    for run, summary in zip(runs, summaries, strict=True):
+        parts.append(
+            f"<h3>{escape(run.name)} <small>({len(run.rows)} rows, {escape(str(run.path))})</small></h3>"
+        )
+        if run.command:
+            parts.append(f"<pre>{escape(run.command)}</pre>")
+        if run.environment:
+            parts.append(f'<p class="note">{escape(environment_line(run.environment))}</p>')
+        parts.append(summary_table(summary))
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def render(runs: list[Run]) -> str:
+    """The whole HTML page for ``runs``."""
+    rows = [row for run in runs for row in run.rows]
+    summaries = [data.run_summary(run) for run in runs]
+    summary = [entry for run_entries in summaries for entry in run_entries]
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    names = ", ".join(run.name for run in runs)
+    body = [
+        "<h1>kvweave report</h1>",
+        f'<p class="note">{len(rows)} rows from {escape(names)}; generated {stamp}. Question-agnostic unless '
+        "the command says <code>--question-aware</code>.</p>",
+        '<section id="overview"><h2>Overview</h2>',
+        '<p class="note">Accuracy per task (mean over context lengths and trials), mean compression, KV '
+        "memory at the longest context, and median decode speed as a ratio against <code>full</code> "
+        "in the same run.</p>",
+        overview_table(summary),
+        "</section>",
+        heatmap_section(rows),
+        frontier_section(rows),
+        memory_speed_section(rows),
+        runs_section(runs, summaries),
+    ]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>kvweave report: {escape(names)}</title><style>{CSS}</style></head>\n<body>\n"
+        + "\n".join(part for part in body if part)
+        + "\n</body></html>\n"
+    )

@@ -1,0 +1,286 @@
+"""Tiny SVG chart helpers: a scatter/line chart and a heatmap, as strings to inline in an HTML page.
+
+No plotting library: the report must render offline, in any browser, from one file. Coordinates are in
+CSS pixels; every chart is a standalone ``<svg>`` element with a ``<title>`` for screen readers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from html import escape
+
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#bcbd22",
+    "#7f7f7f",
+)
+"""Categorical series colours (the Tableau 10 set)."""
+
+FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
+
+
+@dataclass
+class Series:
+    """One named series of ``(x, y)`` points, optionally labelled point by point."""
+
+    name: str
+    points: list[tuple[float, float]]
+    labels: list[str] = field(default_factory=list)
+    color: str = ""
+    dashed: bool = False
+
+
+# ----------------------------------------------------------------------------------------- axes
+
+
+def nice_step(span: float, count: int) -> float:
+    """A round tick step (1, 2, 2.5 or 5 x 10^k) giving about ``count`` ticks over ``span``."""
+    raw = span / max(count, 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    for factor in (1, 2, 2.5, 5, 10):
+        if raw <= factor * magnitude:
+            return factor * magnitude
+    return 10 * magnitude
+
+
+@dataclass
+class Axis:
+    """A linear or base-2 logarithmic axis over ``[low, high]``, mapped to pixels ``[start, end]``."""
+
+    low: float
+    high: float
+    start: float
+    end: float
+    log: bool = False
+
+    @classmethod
+    def fit(
+        cls,
+        values: Sequence[float],
+        start: float,
+        end: float,
+        log: bool = False,
+        low: float | None = None,
+        high: float | None = None,
+    ) -> Axis:
+        """An axis covering ``values`` (padded when they are all equal), with optional fixed bounds."""
+        finite = [v for v in values if v is not None and math.isfinite(v) and (v > 0 or not log)]
+        lo = low if low is not None else (min(finite) if finite else 0.0)
+        hi = high if high is not None else (max(finite) if finite else 1.0)
+        if log:
+            # pad by a fraction of an octave so points on a power of two are not drawn on the frame
+            low_exp, high_exp = math.log2(max(lo, 1e-9)), math.log2(max(hi, 1e-9))
+            pad = 0.5 if high_exp - low_exp < 1e-9 else 0.12 * max(1.0, high_exp - low_exp)
+            lo = lo if low is not None else 2 ** (low_exp - pad)
+            hi = hi if high is not None else 2 ** (high_exp + pad)
+        else:
+            if hi <= lo:
+                pad = abs(lo) * 0.1 or 1.0
+                lo, hi = lo - pad, hi + pad
+            step = nice_step(hi - lo, 5)
+            lo = lo if low is not None else math.floor(lo / step) * step
+            hi = hi if high is not None else math.ceil(hi / step) * step
+        return cls(lo, hi, start, end, log)
+
+    def ticks(self) -> list[float]:
+        """Tick values: powers of two on a log axis, round steps on a linear one."""
+        if self.log:
+            first = math.ceil(math.log2(self.low) - 1e-9)
+            last = math.floor(math.log2(self.high) + 1e-9)
+            stride = max(1, math.ceil((last - first + 1) / 8))
+            return [2.0**k for k in range(first, last + 1, stride)]
+        step = nice_step(self.high - self.low, 5)
+        first = math.ceil(self.low / step - 1e-9)
+        ticks = []
+        k = first
+        while k * step <= self.high + 1e-9 * step:
+            ticks.append(round(k * step, 10))
+            k += 1
+        return ticks
+
+    def __call__(self, value: float) -> float:
+        """Pixel coordinate of ``value``."""
+        if self.log:
+            value = max(value, 1e-12)
+            t = (math.log2(value) - math.log2(self.low)) / (math.log2(self.high) - math.log2(self.low))
+        else:
+            t = (value - self.low) / (self.high - self.low)
+        return self.start + t * (self.end - self.start)
+
+
+def format_number(value: float) -> str:
+    """Short tick text: 2048 -> 2k, 4000 -> 4k, 0.25 -> 0.25, 12.0 -> 12."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 1000:
+        for unit in (1024, 1000):
+            if value % unit == 0:
+                return f"{value / unit:g}k"
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+# ----------------------------------------------------------------------------------------- pieces
+
+
+def _text(x: float, y: float, text: str, size: int = 11, anchor: str = "start", **attrs: str) -> str:
+    extra = "".join(f' {k.replace("_", "-")}="{escape(v)}"' for k, v in attrs.items())
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}"{extra}>'
+        f"{escape(text)}</text>"
+    )
+
+
+def _open(width: float, height: float, title: str, css_class: str) -> list[str]:
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css_class}" width="{width:.0f}" '
+        f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img" style="{FONT}">',
+        f"<title>{escape(title)}</title>",
+        f'<rect x="0" y="0" width="{width:.0f}" height="{height:.0f}" fill="#ffffff"/>',
+    ]
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+# ----------------------------------------------------------------------------------------- charts
+
+
+def line_chart(
+    series: Sequence[Series],
+    title: str,
+    x_label: str,
+    y_label: str,
+    x_log: bool = False,
+    y_log: bool = False,
+    y_low: float | None = None,
+    y_high: float | None = None,
+    x_format: Callable[[float], str] = format_number,
+    y_format: Callable[[float], str] = format_number,
+    width: int = 560,
+    height: int = 330,
+    connect: bool = True,
+) -> str:
+    """Scatter points of each series (joined in x order when ``connect``), with axes, labels and a legend."""
+    legend_width = 170
+    left, right, top, bottom = 58, width - legend_width - 10, 34, height - 46
+    xs = [x for s in series for x, _ in s.points]
+    ys = [y for s in series for _, y in s.points]
+    x_axis = Axis.fit(xs, left, right, log=x_log)
+    y_axis = Axis.fit(ys, bottom, top, log=y_log, low=y_low, high=y_high)
+    out = _open(width, height, title, "chart")
+    out.append(_text(left, 20, title, size=13, font_weight="600"))
+    for tick in x_axis.ticks():
+        x = x_axis(tick)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#e5e5e5"/>')
+        out.append(_text(x, bottom + 15, x_format(tick), anchor="middle", fill="#444"))
+    for tick in y_axis.ticks():
+        y = y_axis(tick)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(_text(left - 6, y + 4, y_format(tick), anchor="end", fill="#444"))
+    out.append(
+        f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>'
+    )
+    out.append(_text((left + right) / 2, height - 10, x_label, anchor="middle"))
+    out.append(
+        f'<text transform="translate(14,{(top + bottom) / 2:.1f}) rotate(-90)" font-size="11" '
+        f'text-anchor="middle">{escape(y_label)}</text>'
+    )
+    for index, s in enumerate(series):
+        color = s.color or PALETTE[index % len(PALETTE)]
+        ordered = sorted(zip(s.points, s.labels or [""] * len(s.points), strict=False))
+        pixels = [(x_axis(x), y_axis(y), label) for (x, y), label in ordered]
+        dash = ' stroke-dasharray="5,4"' if s.dashed else ""
+        if connect and len(pixels) > 1:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in pixels)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        for x, y, label in pixels:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4.5" fill="{color}" stroke="#fff"/>')
+            if label:
+                out.append(_text(x + 6, y - 6, _shorten(label, 22), size=9, fill="#333"))
+        legend_y = top + 6 + 18 * index
+        out.append(
+            f'<line x1="{right + 14}" y1="{legend_y}" x2="{right + 32}" y2="{legend_y}" stroke="{color}" '
+            f'stroke-width="3"{dash}/>'
+        )
+        out.append(_text(right + 38, legend_y + 4, _shorten(s.name, 22)))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _mix(a: str, b: str, t: float) -> str:
+    ca = [int(a[i : i + 2], 16) for i in (1, 3, 5)]
+    cb = [int(b[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(ca, cb, strict=True))
+
+
+def score_color(value: float | None) -> str:
+    """Red (0) -> yellow (0.5) -> green (1); light grey for a missing cell."""
+    if value is None or not math.isfinite(value):
+        return "#eeeeee"
+    value = min(max(value, 0.0), 1.0)
+    if value < 0.5:
+        return _mix("#d73027", "#fee08b", value / 0.5)
+    return _mix("#fee08b", "#1a9850", (value - 0.5) / 0.5)
+
+
+def heatmap(
+    row_labels: Sequence[str],
+    column_labels: Sequence[str],
+    values: Sequence[Sequence[float | None]],
+    title: str,
+    x_label: str = "context tokens",
+    y_label: str = "depth",
+    cell: int = 38,
+) -> str:
+    """A grid of score cells (rows top to bottom, columns left to right) with the score written in each."""
+    left, top = 52, 34
+    width = max(left + cell * len(column_labels) + 12, 190)
+    height = top + cell * len(row_labels) + 40
+    out = _open(width, height, title, "heatmap")
+    out.append(_text(4, 18, _shorten(title, 34), size=12, font_weight="600"))
+    for r, label in enumerate(row_labels):
+        y = top + r * cell
+        out.append(_text(left - 5, y + cell / 2 + 4, label, size=10, anchor="end", fill="#444"))
+        for c, value in enumerate(values[r]):
+            x = left + c * cell
+            fill = score_color(value)
+            out.append(
+                f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}">'
+                f"<title>{escape(label)} / {escape(column_labels[c])}: "
+                f"{'-' if value is None else f'{100 * value:.0f}%'}</title></rect>"
+            )
+            if value is not None:
+                ink = "#ffffff" if value < 0.2 or value > 0.8 else "#222222"
+                out.append(
+                    _text(
+                        x + cell / 2,
+                        y + cell / 2 + 4,
+                        f"{100 * value:.0f}",
+                        size=10,
+                        anchor="middle",
+                        fill=ink,
+                    )
+                )
+    bottom = top + cell * len(row_labels)
+    for c, label in enumerate(column_labels):
+        out.append(
+            _text(left + c * cell + cell / 2, bottom + 13, label, size=10, anchor="middle", fill="#444")
+        )
+    out.append(_text(left + cell * len(column_labels) / 2, bottom + 30, x_label, size=10, anchor="middle"))
+    out.append(
+        f'<text transform="translate(11,{top + cell * len(row_labels) / 2:.1f}) rotate(-90)" font-size="10" '
+        f'text-anchor="middle">{escape(y_label)}</text>'
+    )
+    out.append("</svg>")
+    return "\n".join(out)

@@ -1,0 +1,478 @@
+"""``kvweave report``: run folders -> one self-contained HTML page + a markdown summary.
+
+Synthetic rows (no model). The browser test renders the page in headless Chromium and checks the
+screenshot shows the charts; it skips when Chromium is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvweave.cli import main
+from kvweave.report import data, load_run, render_html, svg, write_report
+
+METHODS = {"full": 1.0, "window:ratio=0.25": 0.25, "window:ratio=0.5": 0.5}
+MB = 2**20
+
+
+def fake_rows(model: str = "tiny", methods: dict[str, float] = METHODS) -> list[dict]:
+    """Rows shaped like the runner's: two tasks, two lengths, three depths, a few methods."""
+    rng = random.Random(0)
+    rows = []
+    for task in ("passkey", "niah_multikey"):
+        for context in (1024, 2048):
+            for trial, depth in enumerate((0.1, 0.5, 0.9)):
+                for method, kept in methods.items():
+                    full = context * 12 * MB // 1024
+                    held = int(full * kept)
+                    score = 1.0 if kept == 1.0 or rng.random() < kept + 0.3 else 0.0
+                    rows.append(
+                        {
+                            "model": model,
+                            "method": method,
+                            "options": {},
+                            "task": task,
+                            "context": context,
+                            "trial": trial,
+                            "depth": depth,
+                            "seed": trial,
+                            "score": score,
+                            "kv_bytes": held,
+                            "full_kv_bytes": full,
+                            "compression": full / held,
+                            "prefill_s": 0.5 * context / 1024,
+                            "decode_tok_s": 20.0 / (kept + 0.5) * (1 - context / 8192),
+                            "key": f"{method}|{task}|{context}|{trial}",
+                        }
+                    )
+    return rows
+
+
+def write_run(folder: Path, rows: list[dict], config: dict | None = None, command: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"trunc')
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({"config": config, "environment": {"torch": "2.x"}}))
+    if command is not None:
+        (folder / "command.txt").write_text(command + "\n")
+    return folder
+
+
+CONFIG = {
+    "model": "tiny",
+    "tasks": ["passkey", "niah_multikey"],
+    "contexts": [1024, 2048],
+    "methods": ["full", "window:ratio=0.25", "window:ratio=0.5"],
+    "trials": 3,
+    "question_aware": False,
+    "dtype": "float32",
+    "haystack": None,
+    "data_dir": None,
+    "seed": 0,
+    "beyond_trained": False,
+    "max_new_tokens": 32,
+}
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return write_run(tmp_path / "demo-tiny", fake_rows(), CONFIG)
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def test_command_reconstructed_from_config(run_dir: Path) -> None:
+    run = load_run(run_dir)
+    assert run.command.startswith(
+        "kvweave eval --model tiny --task passkey,niah_multikey --context 1024,2048"
+    )
+    assert "--methods full,window:ratio=0.25,window:ratio=0.5" in run.command
+    assert "--max-new-tokens 32" in run.command and run.command.endswith(f"--out {run_dir}")
+    assert len(run.rows) == 36  # the truncated last line is ignored
+
+
+def test_command_txt_wins(tmp_path: Path) -> None:
+    run = load_run(write_run(tmp_path / "r", fake_rows(), CONFIG, command="kvweave demo --trials 3"))
+    assert run.command == "kvweave demo --trials 3"
+
+
+def test_not_a_run_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="rows.jsonl"):
+        load_run(tmp_path)
+
+
+def test_names() -> None:
+    assert (
+        data.family("window:ratio=0.25") == "window"
+        and data.options_label("window:ratio=0.25") == "ratio=0.25"
+    )
+    assert data.family("full") == "full" and data.options_label("full") == "default"
+    assert data.family("kvpress:SnapKV:0.75") == "kvpress:SnapKV"
+    assert data.options_label("kvpress:SnapKV:0.75") == "0.75"
+
+
+def test_speed_ratio_against_full_and_kvpress_baseline() -> None:
+    summary = [
+        {"model": "m", "method": "full", "task": "t", "context": 1, "decode_tok_s": 10.0},
+        {"model": "m", "method": "window", "task": "t", "context": 1, "decode_tok_s": 15.0},
+        {"model": "m", "method": "kvpress:full", "task": "t", "context": 2, "decode_tok_s": 8.0},
+        {"model": "m", "method": "kvpress:SnapKV:0.5", "task": "t", "context": 2, "decode_tok_s": 4.0},
+        {"model": "m", "method": "window", "task": "t", "context": 3, "decode_tok_s": 4.0},
+    ]
+    ratios = [s["speed_vs_full"] for s in data.speed_ratios(summary)]
+    assert ratios == [1.0, 1.5, 1.0, 0.5, None]
+
+
+def test_heatmap_grid_and_frontier() -> None:
+    rows = [r for r in fake_rows() if r["task"] == "passkey"]
+    depths, contexts, grid = data.heatmap_grid([r for r in rows if r["method"] == "full"])
+    assert depths == [0.1, 0.5, 0.9] and contexts == [1024, 2048]
+    assert grid == [[1.0, 1.0]] * 3
+    series = data.frontier(rows)
+    assert set(series) == {"full", "window"}
+    assert sorted(round(p.compression, 2) for p in series["window"]) == [2.0, 4.0]
+    assert series["full"][0].accuracy == 1.0 and series["full"][0].n == 6
+
+
+def test_axis_ticks() -> None:
+    axis = svg.Axis.fit([1.0, 4.0], 0, 100, log=True)
+    assert axis.ticks() == [1.0, 2.0, 4.0] and 0 < axis(1.0) < axis(2.0) < axis(4.0) < 100
+    assert axis(2.0) == pytest.approx(50)
+    linear = svg.Axis.fit([0.0, 0.93], 100, 0)
+    assert linear.ticks()[0] == 0.0 and linear.ticks()[-1] >= 0.93
+    single = svg.Axis.fit([2048.0], 0, 10, log=True)
+    assert single.low < 2048 < single.high
+    assert svg.format_number(2048) == "2k" and svg.format_number(0.25) == "0.25"
+
+
+# ----------------------------------------------------------------------------------------- page
+
+
+def test_html_is_self_contained(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    md = tmp_path / "summary.md"
+    write_report([run_dir], out, markdown=md)
+    html = out.read_text()
+    assert html.count("<svg") == 2 * 3 + 2 + 2  # heatmaps (2 tasks x 3 methods), 2 frontiers, memory + speed
+    for forbidden in ("<script", "http://cdn", "https://", "<link", "@import"):
+        assert forbidden not in html
+    assert "kvweave eval --model tiny" in html
+    text = md.read_text()
+    assert "| method | niah_multikey | passkey |" in text
+    assert "```sh\nkvweave eval --model tiny" in text
+    assert "`window:ratio=0.25`" in text
+
+
+def test_several_runs_and_models(run_dir: Path, tmp_path: Path) -> None:
+    other = write_run(
+        tmp_path / "kvpress", fake_rows("tiny", {"kvpress:full": 1.0, "kvpress:SnapKV:0.75": 0.25})
+    )
+    third = write_run(tmp_path / "small", fake_rows("small", {"full": 1.0}))
+    html = render_html([load_run(run_dir), load_run(other), load_run(third)])
+    assert "tiny \u00b7 kvpress:SnapKV" in html and "small \u00b7 full" in html
+
+
+def test_cli_report(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.html"
+    assert main(["report", str(run_dir), "-o", str(out), "--md", str(tmp_path / "s.md")]) == 0
+    assert out.is_file() and (tmp_path / "s.md").is_file()
+    assert str(out) in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "missing"), "-o", str(out)]) == 2
+
+
+# ----------------------------------------------------------------------------------------- browser
+
+
+def read_png(path: Path) -> np.ndarray:
+    """Pixels ``[H, W, C]`` (uint8) of an 8-bit, non-interlaced grey/RGB/RGBA PNG."""
+    blob = path.read_bytes()
+    assert blob[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    offset, chunks, header = 8, [], b""
+    while offset < len(blob):
+        (length,) = struct.unpack(">I", blob[offset : offset + 4])
+        kind = blob[offset + 4 : offset + 8]
+        body = blob[offset + 8 : offset + 8 + length]
+        if kind == b"IHDR":
+            header = body
+        elif kind == b"IDAT":
+            chunks.append(body)
+        offset += 12 + length
+    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", header)
+    assert depth == 8 and interlace == 0, "only 8-bit non-interlaced PNGs"
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}[color]
+    stride = width * channels
+    raw = np.frombuffer(zlib.decompress(b"".join(chunks)), dtype=np.uint8).reshape(height, stride + 1)
+    image = np.zeros((height, stride), dtype=np.uint8)
+    previous = np.zeros(stride, dtype=np.uint8)
+    for y in range(height):
+        kind, line = raw[y, 0], raw[y, 1:]
+        if kind == 0:
+            row = line.copy()
+        elif kind == 1:  # Sub: cumulative sum along each channel (uint8 wraps like the filter)
+            row = np.cumsum(line.reshape(width, channels), axis=0, dtype=np.uint8).reshape(stride)
+        elif kind == 2:  # Up
+            row = line + previous
+        else:  # Average / Paeth depend on the decoded left neighbour: byte by byte
+            row = _unfilter_sequential(int(kind), line.tolist(), previous.tolist(), channels)
+        image[y] = row
+        previous = image[y]
+    return image.reshape(height, width, channels)
+
+
+def _unfilter_sequential(kind: int, line: list[int], up: list[int], bpp: int) -> np.ndarray:
+    out = [0] * len(line)
+    for i, value in enumerate(line):
+        left = out[i - bpp] if i >= bpp else 0
+        if kind == 3:
+            out[i] = (value + ((left + up[i]) >> 1)) & 0xFF
+            continue
+        upper_left = up[i - bpp] if i >= bpp else 0
+        p = left + up[i] - upper_left
+        pa, pb, pc = abs(p - left), abs(p - up[i]), abs(p - upper_left)
+        predictor = left if pa <= pb and pa <= pc else (up[i] if pb <= pc else upper_left)
+        out[i] = (value + predictor) & 0xFF
+    return np.array(out, dtype=np.uint8)
+
+
+def test_png_reader_round_trip(tmp_path: Path) -> None:
+    """The reader against a PNG written here with every filter type."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, size=(5, 4, 3), dtype=np.uint8)
+    rows = []
+    for y, kind in enumerate((0, 1, 2, 3, 4)):
+        line = image[y].reshape(-1).astype(int)
+        up = image[y - 1].reshape(-1).astype(int) if y else np.zeros_like(line)
+        left = np.concatenate([[0] * 3, line[:-3]])
+        upper_left = np.concatenate([[0] * 3, up[:-3]])
+        if kind == 0:
+            pred = np.zeros_like(line)
+        elif kind == 1:
+            pred = left
+        elif kind == 2:
+            pred = up
+        elif kind == 3:
+            pred = (left + up) // 2
+        else:
+            p = left + up - upper_left
+            pa, pb, pc = abs(p - left), abs(p - up), abs(p - upper_left)
+            pred = np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, up, upper_left))
+        rows.append(bytes([kind]) + bytes(((line - pred) % 256).astype(np.uint8)))
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 5, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b"")
+    (tmp_path / "t.png").write_bytes(png)
+    assert np.array_equal(read_png(tmp_path / "t.png"), image)
+
+
+def chromium() -> str | None:
+    """The headless browser, if installed (Debian's ``chromium``)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def screenshot(html: Path, png: Path, profile: Path) -> None:
+    command = [
+        chromium() or "chromium",
+        "--headless",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        f"--screenshot={png}",
+        "--window-size=1400,3000",
+        html.resolve().as_uri(),
+    ]
+    if os.geteuid() == 0:
+        command.insert(2, "--no-sandbox")
+    subprocess.run(command, capture_output=True, timeout=120, check=False)
+
+
+def colored_bands(image: np.ndarray, min_pixels: int = 40) -> list[tuple[int, int]]:
+    """Vertical extents ``(top, bottom)`` of the runs of rows holding saturated (non-grey) pixels."""
+    rgb = image[..., :3].astype(int)
+    saturated = (rgb.max(axis=2) - rgb.min(axis=2)) > 60
+    busy = saturated.sum(axis=1) >= 3
+    bands, start = [], None
+    for y, flag in enumerate(list(busy) + [False]):
+        if flag and start is None:
+            start = y
+        elif not flag and start is not None:
+            if saturated[start:y].sum() >= min_pixels:
+                bands.append((start, y))
+            start = None
+    return bands
+
+
+def has_color(image: np.ndarray, hex_color: str, tolerance: int = 12, count: int = 30) -> bool:
+    target = np.array([int(hex_color[i : i + 2], 16) for i in (1, 3, 5)])
+    close = np.abs(image[..., :3].astype(int) - target).max(axis=2) <= tolerance
+    return int(close.sum()) >= count
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(
+    chromium() is None, reason="headless Chromium is not installed (apt-get install chromium)"
+)
+def test_report_renders_in_chromium(run_dir: Path, tmp_path: Path) -> None:
+    html = tmp_path / "report.html"
+    write_report([run_dir], html)
+    png = tmp_path / "shot.png"
+    screenshot(html, png, tmp_path / "profile")
+    assert png.is_file(), "chromium wrote no screenshot"
+    assert png.stat().st_size > 20_000, "the screenshot is suspiciously small (a blank page?)"
+    image = read_png(png)
+    assert image.shape[:2] == (3000, 1400)
+    # the heatmaps' green (all found) and the frontier's first series colour are on screen
+    assert has_color(image, "#1a9850", count=500), "no heatmap cells drawn"
+    assert has_color(image, svg.PALETTE[0], count=100), "no series drawn"
+    assert has_color(image, svg.PALETTE[1], count=50), "second series missing"
+    # heatmaps (two task rows), frontiers, memory/speed: several separate colored regions down the page
+    bands = colored_bands(image)
+    assert len(bands) >= 3, f"expected several chart regions, found {bands}"
+    assert bands[-1][0] - bands[0][0] > 600, f"charts do not span the page: {bands}"
+
+
+# ----------------------------------------------------------------------------------------- demo
+
+
+def test_demo_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from kvweave import demo
+    from kvweave.cache import METHODS, Method, option
+
+    @dataclasses.dataclass
+    class Factor(Method):
+        """A method whose ratio option is a compression factor."""
+
+        target_ratio: float = option(2.0, "compression factor to reach")
+
+        def __post_init__(self) -> None:
+            self.check_range("target_ratio", 1.0)
+
+    Factor.name = "factor"
+    monkeypatch.setitem(METHODS, "factor", Factor)
+    assert demo.method_spec("factor", {"ratio": 0.25}) == ("factor:target_ratio=4", "")
+    assert demo.method_spec("window", {"ratio": 0.25}) == ("window:ratio=0.25", "")
+    assert demo.method_spec("full", {}) == ("full", "")
+    spec, note = demo.method_spec("no-such-method", {"ratio": 0.25})
+    assert spec is None and "not registered, skipped" in note
+    specs, notes = demo.default_methods()
+    assert specs[:2] == ["full", "window:ratio=0.25"]
+    assert all(n.split(":")[0] not in {s.split(":")[0] for s in specs} or "defaults" in n for n in notes)
+
+
+def test_demo_end_to_end_without_a_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    from kvweave.eval import runner
+    from kvweave.eval import tasks as task_lib
+
+    def sample(task, tokenizer, context, depth, seed, **kw):
+        return task_lib.Sample(task, "doc", "q?", ["42"], depth, seed, context)
+
+    def trial_row(model, tokenizer, config, trial, sample, *extra):
+        kept = 1.0 if trial.method == "full" else 0.25
+        return {
+            "model": config.model,
+            "method": trial.method,
+            "task": trial.task,
+            "context": trial.context,
+            "trial": trial.trial,
+            "depth": trial.depth,
+            "score": float(kept == 1.0),
+            "kv_bytes": int(4000 * kept),
+            "full_kv_bytes": 4000,
+            "prefill_s": 0.1,
+            "decode_tok_s": 10 / kept,
+            "key": trial.key(),
+        }
+
+    monkeypatch.setattr(task_lib, "make_sample", sample)
+    monkeypatch.setattr(runner, "run_trial", trial_row)
+    monkeypatch.setattr("kvweave.models.load_model", lambda *a, **k: (object(), object()))
+    out = tmp_path / "demo"
+    argv = ["demo", "--model", "stub", "--methods", "full,window:ratio=0.25", "--context", "128"]
+    assert main([*argv, "--trials", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "window:ratio=0.25" in printed.out and "4.00" in printed.out  # the table
+    assert "8 trials (8 to run" in printed.err
+    for name in ("rows.jsonl", "config.json", "command.txt", "report.html", "summary.md"):
+        assert (out / name).is_file(), name
+    command = (out / "command.txt").read_text()
+    assert command.startswith(
+        "kvweave demo --model stub --context 128 --trials 2 --methods full,window:ratio=0.25"
+    )
+    assert "```sh\nkvweave demo --model stub" in (out / "summary.md").read_text()
+    assert main([*argv, "--trials", "2", "--out", str(out)]) == 0  # resumes: nothing left to run
+    assert "(0 to run" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- kvpress script
+
+
+def kvpress_script():
+    """The benchmark script as a module (it imports only the standard library at load time)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kvpress_side_by_side.py"
+    spec = importlib.util.spec_from_file_location("kvpress_side_by_side", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kvpress_script_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    script = kvpress_script()
+    assert script.main(["--dry-run", "--presses", "SnapKV,Knorm", "--ratios", "0.5,0.75"]) == 0
+    out = capsys.readouterr().out
+    assert "kvpress:full, kvpress:SnapKV:0.5, kvpress:SnapKV:0.75, kvpress:Knorm:0.5" in out
+    assert "predictions: 30" in out and "--child" in out
+
+
+def test_kvpress_append_starts_a_new_line_after_a_crash(tmp_path: Path) -> None:
+    script = kvpress_script()
+    path = tmp_path / "predictions.jsonl"
+    path.write_text('{"key": "a"}\n{"key": "b", "tru')
+    script._append_jsonl(path, {"key": "c"})
+    assert [r["key"] for r in script._read_jsonl(path)] == ["a", "c"]
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # kvpress's transformers
+def test_kvpress_protocol_matches_generate_on_an_uncompressed_cache(llama) -> None:
+    """With no press, the script's prefill + question + greedy loop gives ``generate``'s tokens."""
+    import torch
+
+    script = kvpress_script()
+    prompt = {"prefill_ids": list(range(5, 45)), "full_ids": list(range(5, 53)), "max_new_tokens": 6}
+    llama.generation_config.eos_token_id = None
+    result = script.predict_one(llama, None, prompt)
+    full = torch.tensor([prompt["full_ids"]])
+    with torch.no_grad():
+        expected = llama.generate(
+            full, attention_mask=torch.ones_like(full), max_new_tokens=6, do_sample=False
+        )
+    assert result["new_ids"] == expected[0, full.shape[1] :].tolist()
+    assert result["context_tokens"] == 40 and result["prompt_tokens"] == 48
+    # 16-bit reference for 48 + 5 tokens fed, 3 layers, 2 kv heads x 16 dims for K and V; held in fp32
+    assert result["full_kv_bytes"] == 3 * (2 * 2 * 16) * 53 * 2
+    assert result["kv_bytes"] == 2 * result["full_kv_bytes"]

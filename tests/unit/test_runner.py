@@ -1,0 +1,254 @@
+"""The eval runner without a model: resume semantics, summaries, prompt split, config validation.
+
+``run_trial`` and ``make_sample`` are replaced by stubs, so these tests take milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvweave.eval import runner
+from kvweave.eval import tasks as task_lib
+
+MODEL_AND_TOKENIZER = (object(), object())  # never touched by the stubs
+
+
+def small_config(**overrides: Any) -> runner.EvalConfig:
+    fields: dict[str, Any] = dict(
+        model="stub",
+        tasks=["passkey", "niah_single"],
+        contexts=[128, 256],
+        methods=["full", "window:ratio=0.25"],
+        trials=2,
+    )
+    return runner.EvalConfig(**{**fields, **overrides})
+
+
+def stub_sample(
+    task: str, tokenizer: Any, context: int, depth: float, seed: int, **kw: Any
+) -> task_lib.Sample:
+    return task_lib.Sample(task, "doc " * 4, "q?", ["42"], depth, seed, context)
+
+
+def stub_row(config: runner.EvalConfig, trial: runner.Trial) -> dict[str, Any]:
+    held = 100 if trial.method == "full" else 25
+    return {
+        "model": config.model,
+        "method": trial.method,
+        "task": trial.task,
+        "context": trial.context,
+        "trial": trial.trial,
+        "depth": trial.depth,
+        "seed": trial.seed,
+        "score": 1.0,
+        "kv_bytes": held,
+        "full_kv_bytes": 100,
+        "compression": 100 / held,
+        "prefill_s": 0.1,
+        "decode_tok_s": 10.0,
+        "key": trial.key(),
+    }
+
+
+class StubTrials:
+    """Replaces ``run_trial``: records the keys it ran; raises KeyboardInterrupt after ``stop_after`` rows."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.keys: list[str] = []
+        self.stop_after = stop_after
+
+    def __call__(
+        self, model: Any, tokenizer: Any, config: Any, trial: runner.Trial, sample: Any, *extra: Any
+    ) -> dict:
+        if self.stop_after is not None and len(self.keys) == self.stop_after:
+            raise KeyboardInterrupt
+        assert sample.depth == trial.depth and sample.seed == trial.seed
+        self.keys.append(trial.key())
+        return stub_row(config, trial)
+
+
+@pytest.fixture
+def stubs(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.setattr(task_lib, "make_sample", stub_sample)
+
+    def no_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the runner loaded a model although nothing was left to run")
+
+    monkeypatch.setattr("kvweave.models.load_model", no_model)
+    return monkeypatch
+
+
+def run_with(
+    stub: StubTrials, stubs: pytest.MonkeyPatch, config: runner.EvalConfig, out: Path, **kw: Any
+) -> list:
+    stubs.setattr(runner, "run_trial", stub)
+    kw.setdefault("model_and_tokenizer", MODEL_AND_TOKENIZER)
+    return runner.run(config, out_dir=out, progress=False, **kw)
+
+
+# ----------------------------------------------------------------------------------------- resume
+
+
+def test_interrupted_run_resumes_without_loss_or_rework(stubs: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = small_config()
+    all_keys = [t.key() for t in runner.plan(config)]
+    assert len(all_keys) == len(set(all_keys)) == 16
+
+    first = StubTrials(stop_after=5)
+    with pytest.raises(KeyboardInterrupt):
+        run_with(first, stubs, config, tmp_path)
+    assert [r["key"] for r in runner.read_rows(tmp_path)] == first.keys == all_keys[:5]
+    assert json.loads((tmp_path / "config.json").read_text())["config"]["methods"] == config.methods
+
+    second = StubTrials()
+    rows = run_with(second, stubs, config, tmp_path)
+    assert second.keys == all_keys[5:]  # nothing finished is redone
+    assert sorted(r["key"] for r in rows) == sorted(all_keys)  # nothing is lost or duplicated
+
+    third = StubTrials()
+    rows = run_with(third, stubs, config, tmp_path, model_and_tokenizer=None)  # no model load either
+    assert third.keys == [] and len(rows) == 16
+
+
+def test_truncated_last_line_is_ignored_and_redone(stubs: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = small_config()
+    all_keys = [t.key() for t in runner.plan(config)]
+    with pytest.raises(KeyboardInterrupt):
+        run_with(StubTrials(stop_after=3), stubs, config, tmp_path)
+    rows_path = tmp_path / "rows.jsonl"
+    with rows_path.open("a") as handle:  # a crash in the middle of writing the 4th row
+        handle.write(json.dumps(stub_row(config, runner.plan(config)[3]))[:40])
+    assert runner.finished_keys(rows_path) == set(all_keys[:3])
+    assert len(runner.read_rows(tmp_path)) == 3
+
+    rerun = StubTrials()
+    run_with(rerun, stubs, config, tmp_path)
+    assert rerun.keys == all_keys[3:]
+
+
+def test_row_after_truncated_line_is_readable(stubs: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = small_config()
+    with pytest.raises(KeyboardInterrupt):
+        run_with(StubTrials(stop_after=3), stubs, config, tmp_path)
+    with (tmp_path / "rows.jsonl").open("a") as handle:
+        handle.write('{"key": "full|passkey|128|1", "sco')
+    run_with(StubTrials(), stubs, config, tmp_path)
+    assert len(runner.read_rows(tmp_path)) == 16
+
+
+def test_plan_gives_every_method_the_same_samples() -> None:
+    config = small_config(methods=["full", "window:ratio=0.25", "window:window=64"])
+    trials = runner.plan(config)
+    by_sample: dict[tuple[str, int, int], set[tuple[float, int]]] = {}
+    for t in trials:
+        by_sample.setdefault((t.task, t.context, t.trial), set()).add((t.depth, t.seed))
+    assert all(len(v) == 1 for v in by_sample.values())
+    assert {t.depth for t in trials} == set(task_lib.depths(2))
+    assert {t.method for t in trials} == {"full", "window:ratio=0.25", "window:window=64"}
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+def row(method: str, score: float, kv: int, prefill: float, speed: float | None, context: int = 256) -> dict:
+    return {
+        "model": "m",
+        "method": method,
+        "task": "passkey",
+        "context": context,
+        "score": score,
+        "kv_bytes": kv,
+        "full_kv_bytes": 1000,
+        "prefill_s": prefill,
+        "decode_tok_s": speed,
+    }
+
+
+def test_summarize_and_speed_ratios() -> None:
+    rows = [
+        row("full", 1.0, 1000, 1.0, 10.0),
+        row("full", 1.0, 1000, 3.0, 12.0),
+        row("full", 0.0, 1000, 2.0, 14.0),
+        row("window", 1.0, 200, 1.0, 30.0),
+        row("window", 0.0, 250, 4.0, None),  # no decode steps: left out of the median
+        row("window", 0.5, 100, 1.0, 20.0, context=512),  # another length: no full to compare with
+    ]
+    summary = runner.add_speed_ratios(runner.summarize(rows))
+    by = {(s["method"], s["context"]): s for s in summary}
+    full, window, alone = by[("full", 256)], by[("window", 256)], by[("window", 512)]
+    assert full["accuracy"] == pytest.approx(2 / 3) and full["n"] == 3
+    assert full["prefill_s"] == 2.0 and full["decode_tok_s"] == 12.0 and full["speed_vs_full"] == 1.0
+    assert window["accuracy"] == 0.5 and window["kv_bytes"] == 250  # the most held over the trials
+    assert window["compression"] == 4.0
+    assert window["prefill_s"] == 2.5  # median of two: their mean
+    assert window["decode_tok_s"] == 30.0 and window["speed_vs_full"] == 2.5
+    assert alone["speed_vs_full"] is None
+    table = runner.format_table(summary)
+    assert "window" in table and "2.50" in table and table.count("\n") == 4
+
+
+# ----------------------------------------------------------------------------------------- prompts
+
+
+class CharTokenizer:
+    """One token per character; 0 is BOS; a chat template that wraps the user turn."""
+
+    chat_template: str | None = "<user>{content}</user><assistant>"
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str:
+        assert not tokenize and add_generation_prompt and len(messages) == 1
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([0] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def text(ids: list[int]) -> str:
+    return "".join(chr(i) if i else "<bos>" for i in ids)
+
+
+SAMPLE = task_lib.Sample("passkey", "DOCUMENT", "What is the pass key?", ["1"], 0.5, 0, 2, "The pass key is")
+
+
+def test_build_prompt_splits_question_from_context() -> None:
+    prefill, full = runner.build_prompt(CharTokenizer(), SAMPLE, question_aware=False)
+    assert text(prefill) == "<user>DOCUMENT\n\n"
+    assert text(full) == "<user>DOCUMENT\n\nWhat is the pass key?</user><assistant>The pass key is"
+    assert full[: len(prefill)] == prefill  # generation continues exactly where the prefill stopped
+    assert "\u2063" not in text(full)  # the split marker never reaches the model
+
+
+def test_build_prompt_question_aware_prefills_all_but_the_last_token() -> None:
+    prefill, full = runner.build_prompt(CharTokenizer(), SAMPLE, question_aware=True)
+    assert prefill == full[:-1] and "What is the pass key?" in text(prefill)
+
+
+def test_build_prompt_without_chat_template_adds_bos_once() -> None:
+    tokenizer = CharTokenizer()
+    tokenizer.chat_template = None
+    prefill, full = runner.build_prompt(tokenizer, SAMPLE, question_aware=False)
+    assert text(full) == "<bos>DOCUMENT\n\nWhat is the pass key?\nThe pass key is"
+    assert text(prefill) == "<bos>DOCUMENT\n\n" and full.count(0) == 1
+
+
+# ----------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tasks": ["passkey", "nope"]}, r"unknown task 'nope'; available: passkey, .*niah_single"),
+        ({"methods": ["full", "nope"]}, r"unknown method 'nope'; available: .*full.*window"),
+        ({"methods": ["window:size=3"]}, r"window: unknown option\(s\) \['size'\]; allowed: "),
+        ({"methods": ["window:ratio=2"]}, r"ratio=2.0 is out of range"),
+        ({"trials": 0}, r"--trials must be at least 1, got 0"),
+        ({"contexts": [2048, 16]}, r"context length 16 is too short"),
+    ],
+)
+def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
