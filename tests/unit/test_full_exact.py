@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, tiny_model
 from transformers import DynamicCache
 
 import kvweave
+from conftest import ARCHS, tiny_model
 from kvweave._compat import cache_kwarg
 
 

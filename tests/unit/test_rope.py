@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model
 
+from conftest import tiny_model
 from kvweave.rope import Rotary, apply_rotary, find_rotary, remove_rotary
 
 

@@ -421,7 +421,7 @@ def format_table(summary: list[dict[str, Any]]) -> str:
         lines.append(
             f"{s['method']:<34} {s['task']:<16} {s['context']:>7} {100 * s['accuracy']:>5.0f}% {s['n']:>3} "
             f"{s['kv_bytes'] / 2**20:>8.2f} {s['compression'] or 0:>6.2f} {s['prefill_s']:>9.2f} "
-            f"{s['decode_tok_s'] or 0:>6.1f} {('%.2f' % ratio) if ratio else '-':>7}"
+            f"{s['decode_tok_s'] or 0:>6.1f} {f'{ratio:.2f}' if ratio else '-':>7}"
         )
     return "\n".join(lines)
 

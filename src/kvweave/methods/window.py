@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvweave.cache import CompressedLayer, Method, option, register
+from kvweave._compat import sdpa_attention
+from kvweave.cache import CompressedLayer, Method, masked_attention, option, register, visible_mask
+from kvweave.methods.pi import rerotate, token_positions
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -57,12 +59,53 @@ class Window(Method):
 
 
 class WindowLayer(CompressedLayer):
-    """Holds ``sinks + window`` exact entries."""
+    """Holds ``sinks + window`` exact entries (pre-RoPE keys with ``positions="shift"``)."""
 
     def __init__(self, cache: KVCache, layer_idx: int, method: Window) -> None:
         super().__init__(cache, layer_idx)
         self.method = method
         self.window = method.window
+        self.shift = method.positions == "shift"
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        if self.shift:  # store pre-RoPE keys: they are rotated to their in-cache index at attention time
+            positions = token_positions({"position_ids": position_ids}, self.seen, key.shape[2], self.rows,
+                                        key.device)
+            key = self.cache.rotary_for(self.layer_idx).unrotate(key.float(), positions).to(key.dtype)
+        super().append(key, value, position_ids)
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        if not self.shift:
+            return super().attend(module, query, key, value, attention_mask, **kwargs)
+        q_len, first = key.shape[2], self.seen
+        self.append(key, value, kwargs.get("position_ids"))
+        self.seen += q_len
+        if first == 0:  # prefill: exact attention at the model's own positions
+            padding = self.padding(attention_mask)
+            self.pad_count = (padding[:, 0].sum(-1) if padding is not None
+                              else torch.zeros(self.rows, dtype=torch.int64, device=self.device))
+            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+        else:
+            rotary = self.cache.rotary_for(self.layer_idx)
+            positions = self.cache_positions()  # [B, H, T]
+            held: torch.Tensor = self.keys
+            keys = rotary.rotate(held, positions)
+            # each new query sits at the in-cache index of its own entry (the last q_len entries)
+            query_positions = positions[:, 0, -q_len:]
+            token = token_positions(kwargs, first, q_len, self.rows, query.device)
+            query = rerotate(rotary, query, token, query_positions)
+            mask = visible_mask(attention_mask, self.held_slots(), first, q_len)
+            out = masked_attention(query, keys, self.values, mask, kwargs.get("scaling"))
+        self.after_attention(query, attention_mask, first)
+        return out
+
+    def cache_positions(self) -> torch.Tensor:
+        """``[B, H, T]`` RoPE positions in shift mode: each held entry's index among the row's real entries."""
+        slots = self.held_slots().to(torch.int64)
+        pads = self.pad_count if self.pad_count is not None else torch.zeros_like(slots[:, 0, 0])
+        real = slots >= pads.view(-1, 1, 1)
+        return (real.cumsum(dim=-1) - 1).clamp(min=0)
 
     def after_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int) -> None:
         if self.method.ratio is not None and first == 0:  # prefill: budget from the prompt length
@@ -79,8 +122,7 @@ class WindowLayer(CompressedLayer):
         self.keep(index.unsqueeze(1).expand(-1, self.keys.shape[1], -1))
 
     def reset(self) -> None:
-        CompressedLayer.__init__(self, self.cache, self.layer_idx)
-        self.window = self.method.window
+        self.__init__(self.cache, self.layer_idx, self.method)  # type: ignore[misc]
 
     def layer_stats(self) -> dict[str, Any]:
         return {"entries": self.entries(), "window": self.window, "sinks": self.method.sinks}
