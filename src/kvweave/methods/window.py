@@ -50,10 +50,6 @@ class Window(Method):
             self.check_range("ratio", 0.0, 1.0)
         self.check_choice("positions", ["keep", "shift"])
 
-    @property
-    def needs_positions(self) -> bool:  # type: ignore[override]
-        return self.positions == "shift"
-
     def make_layer(self, cache: KVCache, layer_idx: int) -> WindowLayer:
         return WindowLayer(cache, layer_idx, self)
 

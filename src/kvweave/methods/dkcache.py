@@ -1,0 +1,976 @@
+"""``dkcache``: DK-Cache, the tiered decoupled KV cache of seed ``000`` (§四, with the deployment rules of §六).
+
+What it implements (DESIGN.md, "DK-Cache"):
+
+- **Tiers by recency**, one set of boundaries (token indices) for the whole left-padded batch (seed rule 3):
+  *core* = the most recent ``core`` tokens, exact; *steady* = recency ``core .. steady``, keys decoupled;
+  *far* = older tokens, out of per-step attention. The first ``sinks`` real tokens of each row (attention
+  sinks, Xiao et al. 2023) always attend. Tokens move core -> steady -> far as decoding proceeds. Defaults
+  scale with the trained context ``L`` (``max_position_embeddings``): the seed's 128K model has core 8K and
+  steady up to 64K, so core = ``L/16``, steady = ``L/2``. ``ratio`` sets core+steady from the prompt length.
+- **Decoupling** ``K̂ = K − α·mean(K_steady)`` per (row, KV head) on the steady tier's keys only, the mean kept
+  up to date with a running sum as tokens enter and leave the tier. α ∈ [0.25, 0.5], default 0.38; profiles
+  ``chat`` 0.30 and ``code`` 0.42 (seed rule 1). Values are never decoupled (seed rule 2).
+  *Where*: with ``key_storage="pre_rope"`` (default) the mean and the shift are taken on pre-RoPE keys (the
+  token's content, what the seed's covariance argument is about) and the decoupled key is then rotated at
+  whatever position attention uses, so decoupling and angle compensation compose. The logit of steady key
+  ``j`` moves by ``−α·q·R(p_j)·m``: position dependent, so attention *within* the steady tier changes too.
+  With ``key_storage="post_rope"`` the mean is taken on post-RoPE keys and the logit shift ``−α·q·m`` is the
+  same for every steady key of a query: only the steady tier's mass relative to core/far moves.
+- **Far tier** stored per row from the row's first real token (padding is never stored there), in pages of
+  ``page`` tokens with per-channel min/max summaries of the keys as attention sees them (rotated at their
+  attention positions), so ``Σ_d max(q_d·min_d, q_d·max_d)`` bounds ``q·k`` (Quest, Tang et al. 2024,
+  arXiv:2406.10774). ``retrieve="always"``: the top ``pages`` pages per KV head join attention each step;
+  ``"entropy"``: only after a step whose attention entropy (normalised by log of the entries attended)
+  exceeded ``entropy_threshold``; ``"never"``: the far tier is dropped, the seed code's truncation. The far
+  tier may be INT8 (per-token scales) and may live in host memory (``offload``).
+- **RoPE angle compensation** (Self-Extend, Jin et al. 2024, arXiv:2401.01325): keys are stored pre-RoPE and
+  rotated at attention time. A pair (query ``i``, key ``j``) with ``i − j < core`` keeps its exact relative
+  position; farther pairs use grouped positions, query ``i // G + core − core // G`` and key ``j // G``, with
+  the smallest ``G`` (per row, per step) that keeps every relative position below the trained length. Inside
+  the trained range ``G = 1`` and the mapping is the identity.
+- INT8 steady/far storage (``bits=8``); INT4 is refused (seed rule 5).
+
+What measuring it says (see :func:`measure_key_shift`): subtracting one vector from *every* key leaves softmax
+attention unchanged (``q·c`` is the same for all keys of a query), so the seed's own code — which de-means the
+whole key tensor — is a no-op. Shifting only the steady tier does change attention; how much, and whether it
+helps, is what the evaluation measures. Prefill attention is exact (as in kvpress); the tiers shape decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvweave._compat import mask_to_bool, sdpa_attention
+from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
+from kvweave.rope import apply_rotary, remove_rotary
+
+if TYPE_CHECKING:
+    from kvweave.cache import KVCache
+    from kvweave.rope import Rotary
+
+PROFILE_ALPHA = {"default": 0.38, "chat": 0.30, "code": 0.42}  # seed §四.2 and rule 1
+ALPHA_RANGE = (0.25, 0.5)
+VALUE_DECOUPLING_REFUSED = (
+    "dkcache: option decouple_values=True is refused: values carry the content attention returns, so shifting "
+    "them changes every output (seed rule 2: only keys carry the temporal coupling; decoupling V breaks the "
+    "feature mapping). Keys only."
+)
+INT4_REFUSED = (
+    "dkcache: option bits=4 is refused: DK-Cache allows INT8 but forbids INT4 (seed rule 5), because 4-bit keys "
+    "make the steady tier's mean/covariance unstable and decoupling stops working. Use bits=8 or bits=16."
+)
+# Elements of one block of attention logits (float32) during a compensated prefill: ~128 MiB.
+CHUNK_ELEMENTS = 1 << 25
+
+
+@register("dkcache")
+@dataclasses.dataclass
+class DKCache(Method):
+    """DK-Cache: core/steady/far tiers, steady-key decoupling, paged far retrieval, RoPE angle compensation."""
+
+    core: int | None = option(None, "most recent tokens kept exact (default: trained context / 16)")
+    steady: int | None = option(None, "recency bound of the steady tier in tokens (default: trained context / 2); "
+                                      "older tokens are far")
+    ratio: float | None = option(None, "core+steady+sinks as a fraction of the prompt (longest row), set at "
+                                       "prefill; overrides core/steady. Retrieved far pages come on top")
+    sinks: int = option(4, "first real tokens of each row always in attention (attention sinks)")
+    decouple: bool = option(True, "de-mean the steady tier's keys: K - alpha * mean(K_steady)")
+    alpha: float | None = option(None, "decoupling strength in [0.25, 0.5] (default: the profile's, 0.38)")
+    profile: str = option("default", "alpha preset: default 0.38, chat 0.30, code 0.42 (seed rule 1)")
+    decouple_values: bool = option(False, "refused: values are never decoupled (seed rule 2)")
+    key_storage: str = option("pre_rope", "pre_rope: keys de-rotated, decoupled pre-RoPE and rotated at attention "
+                                          "time; post_rope: stored as the model gives them")
+    rope_compensation: bool | None = option(None, "Self-Extend position remapping beyond the trained range "
+                                                  "(default: on with pre_rope keys; identity inside the range)")
+    trained_length: int | None = option(None, "the model's trained context (default: max_position_embeddings)")
+    page: int = option(64, "far-tier page size in tokens")
+    pages: int = option(16, "far pages per KV head joining attention per step (top upper bound of q.k)")
+    retrieve: str = option("always", "always: top pages each step; entropy: only after a high-entropy step; "
+                                     "never: drop the far tier (the seed code's truncation)")
+    entropy_threshold: float = option(0.6, "retrieve=entropy: attention entropy / log(entries) of the last step "
+                                           "above which far pages are retrieved")
+    bits: int = option(16, "steady and far storage: 16 = the model's dtype, 8 = INT8 per token (4 is refused)")
+    far_dtype: str = option("model", "far-tier storage: model (the model's dtype) or int8 (per-token scales)")
+    offload: bool = option(False, "keep the far tier in host memory when the model is on an accelerator")
+
+    evicts = True  # per-step attention sees a subset; retrieve=never drops the far tier
+    needs_positions = True
+    test_options = {"core": 4, "steady": 16, "page": 8, "pages": 2, "sinks": 2, "far_dtype": "int8"}
+    invalid_options = (
+        ({"alpha": 0.6}, "alpha"), ({"profile": "poetry"}, "profile"), ({"decouple_values": True}, "decouple_values"),
+        ({"bits": 4}, "bits"), ({"bits": 12}, "bits"), ({"retrieve": "sometimes"}, "retrieve"), ({"core": 0}, "core"),
+        ({"core": 8, "steady": 4}, "steady"), ({"page": 0}, "page"), ({"pages": 0}, "pages"),
+        ({"ratio": 1.5}, "ratio"), ({"sinks": -1}, "sinks"), ({"far_dtype": "int4"}, "far_dtype"),
+        ({"key_storage": "rotated"}, "key_storage"), ({"entropy_threshold": 2.0}, "entropy_threshold"),
+        ({"key_storage": "post_rope", "rope_compensation": True}, "rope_compensation"),
+        ({"trained_length": 1}, "trained_length"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.decouple_values:
+            raise ValueError(VALUE_DECOUPLING_REFUSED)
+        if self.bits == 4:
+            raise ValueError(INT4_REFUSED)
+        self.check_choice("bits", [8, 16])
+        self.check_choice("profile", list(PROFILE_ALPHA))
+        if self.alpha is not None:
+            self.check_range("alpha", *ALPHA_RANGE)
+        for name in ("core", "steady", "trained_length"):
+            if getattr(self, name) is not None:
+                self.check_range(name, 2 if name == "trained_length" else 1)
+        if self.core is not None and self.steady is not None and self.steady < self.core:
+            raise ValueError(f"dkcache: option steady={self.steady} is out of range; allowed [core={self.core}, inf] "
+                             "(steady is the recency bound of the steady tier, so it includes the core)")
+        if self.ratio is not None:
+            self.check_range("ratio", 1e-6, 1.0)
+        self.check_range("sinks", 0)
+        self.check_range("page", 1)
+        self.check_range("pages", 1)
+        self.check_choice("retrieve", ["always", "entropy", "never"])
+        self.check_range("entropy_threshold", 0.0, 1.0)
+        self.check_choice("key_storage", ["pre_rope", "post_rope"])
+        self.check_choice("far_dtype", ["model", "int8"])
+        if self.rope_compensation and self.key_storage == "post_rope":
+            raise ValueError("dkcache: option rope_compensation=True needs key_storage='pre_rope' (keys are rotated "
+                             "at remapped positions at attention time); allowed with post_rope: False or None")
+
+    @property
+    def effective_alpha(self) -> float:
+        """α in use: the ``alpha`` option, else the profile's."""
+        return self.alpha if self.alpha is not None else PROFILE_ALPHA[self.profile]
+
+    @property
+    def remaps_positions(self) -> bool:
+        """Whether RoPE angle compensation is on."""
+        return self.key_storage == "pre_rope" and self.rope_compensation is not False
+
+    def bounds(self, trained: int) -> tuple[int, int]:
+        """``(core, steady)`` in tokens: the options, else the seed's fractions of the trained context."""
+        default_core, default_steady = default_bounds(trained)
+        core = self.core if self.core is not None else min(default_core, self.steady or default_core)
+        steady = self.steady if self.steady is not None else max(default_steady, core)
+        return core, steady
+
+    def make_layer(self, cache: KVCache, layer_idx: int) -> DKCacheLayer:
+        return DKCacheLayer(cache, layer_idx, self)
+
+
+def default_bounds(trained: int) -> tuple[int, int]:
+    """Seed bounds scaled to the model: 128K trained -> core 8K, steady to 64K, i.e. ``L/16`` and ``L/2``."""
+    return max(1, trained // 16), max(1, trained // 2)
+
+
+# ------------------------------------------------------------------------------------------ the math pieces
+
+
+def steady_mean(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, H, 1, D]`` mean over the valid entries of ``keys: [B, H, T, D]`` (``valid: [B, T]``), per head."""
+    weights = valid.to(keys.dtype).view(valid.shape[0], 1, -1, 1)
+    return (keys * weights).sum(2, keepdim=True) / weights.sum(2, keepdim=True).clamp(min=1)
+
+
+def decouple_keys(keys: torch.Tensor, mean: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``K̂ = K − α·mean`` (seed §四.2); ``keys: [B, H, T, D]``, ``mean: [B, H, 1, D]``."""
+    return keys - alpha * mean.to(keys.dtype)
+
+
+def measure_key_shift(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tier: torch.Tensor,
+                      alpha: float = 0.38, scaling: float | None = None) -> dict[str, float]:
+    """How ``K − α·mean(K_tier)`` changes softmax attention when applied to every key vs to the tier only.
+
+    ``query: [B, Hq, q, D]``, ``keys, values: [B, H, T, D]`` as attention sees them (post-RoPE), ``tier: [T]`` or
+    ``[B, T]`` bool (the steady tier's entries, whose mean is subtracted). Computed in float64. Returns the
+    largest change of any attention probability and output element for the *uniform* shift (every key, what
+    the seed's code does: a no-op up to rounding) and the *tier-only* shift (the seed's text, what ``dkcache``
+    does), and the attention mass on the tier before and after the tier-only shift.
+    """
+    q, k, v = query.double(), keys.double(), values.double()
+    b, hq, _, d = q.shape
+    groups = hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    tier = tier.to(torch.bool).expand(b, -1)
+    mean = steady_mean(k, tier)
+    scale = scaling if scaling is not None else d**-0.5
+
+    def attend(shifted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(q @ shifted.transpose(-1, -2) * scale, dim=-1)
+        return probs, probs @ v
+
+    probs, out = attend(k)
+    uniform_probs, uniform_out = attend(decouple_keys(k, mean, alpha))
+    in_tier = tier.view(b, 1, 1, -1)
+    tier_probs, tier_out = attend(torch.where(in_tier.transpose(-1, -2), decouple_keys(k, mean, alpha), k))
+    mass = (probs * in_tier).sum(-1).mean().item()
+    return {
+        "uniform_max_prob_change": (uniform_probs - probs).abs().max().item(),
+        "uniform_max_output_change": (uniform_out - out).abs().max().item(),
+        "tier_max_prob_change": (tier_probs - probs).abs().max().item(),
+        "tier_max_output_change": (tier_out - out).abs().max().item(),
+        "tier_mass_before": mass,
+        "tier_mass_after": (tier_probs * in_tier).sum(-1).mean().item(),
+    }
+
+
+def group_size(length: int, window: int, trained: int) -> int:
+    """Smallest Self-Extend group ``G`` that keeps every relative position of ``length`` tokens trained.
+
+    Neighbours (distance < ``window``) keep exact positions; other pairs use ``(i // G + window − window // G) −
+    j // G``, whose largest value is ``(length − 1) // G + window − window // G``; it must stay ``<= trained − 1``.
+    ``1`` (the identity) while ``length <= trained``.
+    """
+    if length <= trained:
+        return 1
+    if window >= trained - 1:
+        raise ValueError(f"dkcache: RoPE compensation needs core < trained length - 1 (core={window}, trained "
+                         f"length={trained}); lower core or set rope_compensation=False")
+    group = max(2, (length - 1 - window) // (trained - window))  # a lower bound of the answer
+    while (length - 1) // group + window - window // group > trained - 1:
+        group += 1
+    return group
+
+
+def remapped_distance(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
+                      group: int | torch.Tensor) -> torch.Tensor:
+    """Relative position attention uses for each (query, key) pair under angle compensation (broadcasting)."""
+    exact = query_positions - key_positions
+    grouped = (query_positions // group + window - window // group) - key_positions // group
+    return torch.where(exact < window, exact, grouped)
+
+
+def grouped_query_positions(positions: torch.Tensor, groups: torch.Tensor, window: int) -> torch.Tensor:
+    """Query positions for the grouped (far) part: ``i // G + window − window // G``; ``positions: [B, q]``."""
+    groups = groups.view(-1, 1)
+    return positions // groups + window - window // groups
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 with one float32 scale per token: ``x: [..., D]`` -> ``(int8 [..., D], scale [..., 1])``."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_int8` (to ``dtype``)."""
+    return (q.float() * scale).to(dtype)
+
+
+def page_upper_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``q·k`` over each page: ``Σ_d max(q_d·min_d, q_d·max_d)``, as two matmuls.
+
+    ``query: [B, H, n, D]`` (a KV head's query rows), ``page_min, page_max: [B, H, P, D]`` -> ``[B, H, n, P]``.
+    """
+    q = query.float()
+    return q.clamp(min=0) @ page_max.transpose(-1, -2) + q.clamp(max=0) @ page_min.transpose(-1, -2)
+
+
+def far_device(device: torch.device, offload: bool) -> torch.device:
+    """Where the far tier lives: host memory when offloading from an accelerator, else with the model."""
+    return torch.device("cpu") if offload and device.type != "cpu" else device
+
+
+def remapped_attention(q_exact: torch.Tensor, q_grouped: torch.Tensor | None, k_exact: torch.Tensor,
+                       k_grouped: torch.Tensor | None, values: torch.Tensor, visible: torch.Tensor,
+                       near: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention whose near pairs use exact RoPE positions and the others grouped ones.
+
+    ``q_*: [B, Hq, n, D]``, ``k_*, values: [B, H, T, D]``, ``visible, near: [B, H or 1, n, T]`` bool (``near``
+    True: use ``q_exact·k_exact``, else ``q_grouped·k_grouped``; ``None``: exact only). Returns the output
+    ``[B, n, Hq, D]`` and ``[B]``: the last query's attention entropy / log(entries it sees), mean over heads.
+    """
+    b, hq, n, d = q_exact.shape
+    h, t = k_exact.shape[1], k_exact.shape[2]
+    groups = hq // h
+
+    def logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # [B, H, groups, n, T]
+        return (q.reshape(b, h, groups * n, d) @ k.to(q.dtype).transpose(-1, -2)).view(b, h, groups, n, t)
+
+    scores = logits(q_exact, k_exact)
+    if q_grouped is not None and k_grouped is not None and near is not None:
+        scores = torch.where(near.unsqueeze(2), scores, logits(q_grouped, k_grouped))
+    seen = visible.unsqueeze(2)
+    seen = seen | ~seen.any(-1, keepdim=True)  # a query that sees nothing (padding) sees all: never used
+    probs = torch.softmax(scores.float().mul(scaling).masked_fill(~seen, float("-inf")), dim=-1)
+    out = (probs.to(values.dtype).view(b, h, groups * n, t) @ values).view(b, hq, n, -1)
+    last = probs[:, :, :, -1, :]
+    entropy = -torch.special.xlogy(last, last).sum(-1)
+    count = seen[:, :, :, -1, :].sum(-1).expand_as(entropy).float()
+    normalised = torch.where(count > 1, entropy / count.clamp(min=2).log(), torch.zeros_like(entropy))
+    return out.transpose(1, 2).contiguous(), normalised.flatten(1).mean(1)
+
+
+# ----------------------------------------------------------------------------------------------- storage
+
+
+class RopeTable:
+    """``cos, sin`` of the model's rotary embedding at integer positions ``0 .. n-1``, grown on demand.
+
+    One per layer type, shared by the layers of a cache (one table per device): rotating held keys every step
+    reads the table instead of recomputing sines. Built with the model's own rotary module, so the values are
+    the model's. Assumes a position-independent frequency table (not ``dynamic`` RoPE scaling).
+    """
+
+    def __init__(self, rotary: Rotary) -> None:
+        self.rotary = rotary
+        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ensure(self, length: int, device: torch.device) -> None:
+        """Make positions ``< length`` available on ``device``."""
+        held = self.tables.get(device)
+        if held is None or held[0].shape[0] < length:
+            size = max(length, 256, 2 * (held[0].shape[0] if held is not None else 0))
+            cos, sin = self.rotary.cos_sin(torch.arange(size, device=device).view(1, -1), device)
+            self.tables[device] = (cos[0], sin[0])
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE ``x: [B, H, T, D]`` rotated to ``positions: [B, T]`` or ``[B, 1 or H, T]`` (int)."""
+        cos, sin = self.tables[x.device]
+        return apply_rotary(x.float(), cos[positions], sin[positions]).to(x.dtype)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE ``x`` at ``positions`` back to pre-RoPE."""
+        cos, sin = self.tables[x.device]
+        return remove_rotary(x.float(), cos[positions], sin[positions]).to(x.dtype)
+
+
+class _Buffer:
+    """A tensor that grows at the end and shrinks at the front along ``dim`` without a copy per step."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.data: torch.Tensor | None = None
+        self.begin = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.begin
+
+    def view(self) -> torch.Tensor:
+        assert self.data is not None
+        return self.data.narrow(self.dim, self.begin, len(self))
+
+    def append(self, x: torch.Tensor) -> None:
+        n = x.shape[self.dim]
+        if self.data is None:
+            self.data, self.begin, self.end = x.clone(memory_format=torch.contiguous_format), 0, n
+            return
+        if self.end + n > self.data.shape[self.dim]:
+            needed = len(self) + n
+            self._reallocate(needed + max(16, needed // 4))
+        self.data.narrow(self.dim, self.end, n).copy_(x)
+        self.end += n
+
+    def pop_front(self, n: int) -> torch.Tensor:
+        """The first ``n`` entries (a view, valid until the next append) and drop them."""
+        out = self.view().narrow(self.dim, 0, n)
+        self.begin += n
+        return out
+
+    def fit(self) -> None:
+        """Release capacity after a large move (prefill) so held bytes stay honest."""
+        if self.data is not None and self.data.shape[self.dim] > 2 * len(self) + 32:
+            self._reallocate(len(self))
+
+    def _reallocate(self, capacity: int) -> None:
+        live = self.view()
+        shape = list(live.shape)
+        shape[self.dim] = capacity
+        data = live.new_empty(shape)
+        data.narrow(self.dim, 0, live.shape[self.dim]).copy_(live)
+        self.data, self.begin, self.end = data, 0, live.shape[self.dim]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.data is not None:
+            self.data = self.data.index_select(0, rows.to(self.data.device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.data is None else [self.data]
+
+
+class _Tier:
+    """Tokens of consecutive slots (the same slots in every row): ``keys, values: [B, H, T, D]``,
+    ``positions: [B, T]`` (RoPE positions). INT8 tiers hold int8 entries and a float32 scale per token."""
+
+    def __init__(self, quantized: bool) -> None:
+        self.quantized = quantized
+        self.parts = {name: _Buffer(2) for name in ("keys", "values", "key_scales", "value_scales")}
+        self.positions = _Buffer(1)
+        self.first_slot = 0
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Add entries; returns the keys as stored (dequantized), for the running mean."""
+        if self.quantized:
+            (keys_q, key_scales), (values_q, value_scales) = quantize_int8(keys), quantize_int8(values)
+            for name, part in (("keys", keys_q), ("values", values_q), ("key_scales", key_scales),
+                               ("value_scales", value_scales)):
+                self.parts[name].append(part)
+            keys = dequantize_int8(keys_q, key_scales, keys.dtype)
+        else:
+            self.parts["keys"].append(keys)
+            self.parts["values"].append(values)
+        self.positions.append(positions.to(torch.int32))
+        return keys
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``keys, values`` (``dtype``) and ``positions`` (int64) of every entry."""
+        return self._read({name: part.view() for name, part in self.parts.items() if part.data is not None},
+                          self.positions.view(), dtype)
+
+    def pop_front(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Remove and return the oldest ``n`` entries."""
+        parts = {name: part.pop_front(n) for name, part in self.parts.items() if part.data is not None}
+        out = self._read(parts, self.positions.pop_front(n), dtype)
+        self.first_slot += n
+        return out
+
+    def _read(self, parts: dict[str, torch.Tensor], positions: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.quantized:
+            keys = dequantize_int8(parts["keys"], parts["key_scales"], dtype)
+            values = dequantize_int8(parts["values"], parts["value_scales"], dtype)
+        else:
+            keys, values = parts["keys"], parts["values"]
+        return keys, values, positions.to(torch.int64)
+
+    def fit(self) -> None:
+        for part in (*self.parts.values(), self.positions):
+            part.fit()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for part in (*self.parts.values(), self.positions):
+            part.select_rows(rows)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for part in (*self.parts.values(), self.positions) for t in part.tensors()]
+
+
+def _write_range(buffer: torch.Tensor, dim: int, low: int, block: torch.Tensor, source: torch.Tensor) -> None:
+    """``buffer[b, .., low + w, ..] = block[b, .., source[b, w], ..]`` where ``0 <= source < n``, else unchanged.
+
+    Rows write different entries of ``block`` at the same destination range without a host sync or a
+    per-token loop: each destination gathers its source (``source: [B, W]`` int64).
+    """
+    b, width = source.shape
+    n = block.shape[dim]
+    shape = [b] + [1] * (dim - 1) + [width] + [1] * (block.dim() - dim - 1)
+    expand = list(block.shape)
+    expand[dim] = width
+    index = source.clamp(0, max(n - 1, 0)).view(shape).expand(expand)
+    valid = ((source >= 0) & (source < n)).view(shape)
+    target = buffer.narrow(dim, low, width)
+    target.copy_(torch.where(valid, block.gather(dim, index), target))
+
+
+class _FarTier:
+    """Tokens older than the steady tier, stored per row by real-token index ``r = slot − pad`` (padding is
+    never stored): the first ``sinks`` in an exact sink store, the rest (``r − sinks``) in pages of ``page``
+    tokens with per-channel min/max key summaries (unless pages are dropped: ``retrieve="never"``)."""
+
+    def __init__(self, sinks: int, page: int, quantized: bool, keep_pages: bool, device: torch.device) -> None:
+        self.sinks, self.page, self.quantized, self.keep_pages, self.device = sinks, page, quantized, keep_pages, device
+        self.lengths: list[int] = []  # real tokens per row in the far tier (sinks included)
+        self.sink: dict[str, torch.Tensor] = {}  # keys, values [B, H, S, D]; positions [B, S]
+        self.store: dict[str, torch.Tensor] = {}  # keys, values (+ scales) [B, H, cap, D]; positions [B, cap]
+        self.page_min: torch.Tensor | None = None  # [B, H, P_cap, D] float32, keys as attention sees them
+        self.page_max: torch.Tensor | None = None
+        self.summary_groups: list[int] | None = None  # Self-Extend groups the summaries were computed with
+        self.clean_pages = 0  # summaries of pages < clean_pages are current
+
+    def paged_lengths(self) -> list[int]:
+        return [max(0, n - self.sinks) for n in self.lengths]
+
+    def page_count(self) -> int:
+        return -(-max(self.paged_lengths(), default=0) // self.page)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, first_slot: int,
+            pad: list[int]) -> None:
+        """Store a block of consecutive slots ``first_slot ..`` (``keys, values: [B, H, n, D]``)."""
+        n = keys.shape[2]
+        if not self.lengths:
+            self.lengths = [0] * keys.shape[0]
+        starts = [first_slot - p for p in pad]  # real index of the block's first token, per row
+        start = torch.tensor(starts, device=keys.device).view(-1, 1)
+        if self.sinks and min(starts) < self.sinks:
+            if not self.sink:
+                self.sink = {"keys": keys.new_zeros(*keys.shape[:2], self.sinks, keys.shape[3]),
+                             "values": values.new_zeros(*values.shape[:2], self.sinks, values.shape[3]),
+                             "positions": positions.new_zeros(keys.shape[0], self.sinks)}
+            source = torch.arange(self.sinks, device=keys.device).view(1, -1) - start
+            for name, block in (("keys", keys), ("values", values), ("positions", positions)):
+                _write_range(self.sink[name], 2 if name != "positions" else 1, 0, block, source)
+        low, high = max(0, min(starts) - self.sinks), max(0, max(starts) + n - self.sinks)
+        if self.keep_pages and high > low:
+            self._reserve(high, keys, values)
+            source = (torch.arange(low, high, device=keys.device).view(1, -1) + self.sinks - start).to(self.device)
+            blocks: dict[str, torch.Tensor] = {"positions": positions.to(torch.int32)}
+            if self.quantized:
+                (blocks["keys"], blocks["key_scales"]), (blocks["values"], blocks["value_scales"]) = (
+                    quantize_int8(keys), quantize_int8(values))
+            else:
+                blocks["keys"], blocks["values"] = keys, values
+            for name, block in blocks.items():
+                _write_range(self.store[name], 2 if name != "positions" else 1, low, block.to(self.device), source)
+            self.clean_pages = min(self.clean_pages, low // self.page)
+        self.lengths = [max(length, s + n) for length, s in zip(self.lengths, starts, strict=True)]
+
+    def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Capacity for ``needed`` paged entries (whole pages); grows by at least a quarter."""
+        capacity = self.store["positions"].shape[1] if self.store else 0
+        if needed <= capacity:
+            return
+        grown = needed if not self.store else needed + max(self.page, needed // 4)
+        grown = -(-grown // self.page) * self.page
+        b, h = keys.shape[:2]
+        fresh = {"positions": torch.zeros(b, grown, dtype=torch.int32, device=self.device)}
+        if self.quantized:
+            for name, like in (("keys", keys), ("values", values)):
+                fresh[name] = torch.zeros(b, h, grown, like.shape[3], dtype=torch.int8, device=self.device)
+                fresh[name[:-1] + "_scales"] = torch.ones(b, h, grown, 1, dtype=torch.float32, device=self.device)
+        else:
+            fresh["keys"] = keys.new_zeros(b, h, grown, keys.shape[3], device=self.device)
+            fresh["values"] = values.new_zeros(b, h, grown, values.shape[3], device=self.device)
+        for name, old in self.store.items():
+            fresh[name].narrow(-1 if name == "positions" else 2, 0, capacity).copy_(old)
+        self.store = fresh
+
+    def entries(self, index: torch.Tensor, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Paged entries ``index: [B, H, R]`` -> ``keys, values: [B, H, R, D]`` (``dtype``), ``positions [B, H, R]``."""
+        index = index.to(self.device)
+        b, h, r = index.shape
+
+        def take(name: str) -> torch.Tensor:
+            part = self.store[name]
+            return part.gather(2, index.unsqueeze(-1).expand(b, h, r, part.shape[-1])).to(device)
+
+        positions = self.store["positions"].unsqueeze(1).expand(b, h, -1).gather(2, index).to(device, torch.int64)
+        if self.quantized:
+            return (dequantize_int8(take("keys"), take("key_scales"), dtype),
+                    dequantize_int8(take("values"), take("value_scales"), dtype), positions)
+        return take("keys").to(dtype), take("values").to(dtype), positions
+
+    def page_range(self, first: int, last: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys ``[B, H, (last-first)*page, D]`` and positions ``[B, (last-first)*page]`` of pages ``first..last-1``."""
+        low, width = first * self.page, (last - first) * self.page
+        keys = self.store["keys"].narrow(2, low, width).to(device)
+        if self.quantized:
+            keys = dequantize_int8(keys, self.store["key_scales"].narrow(2, low, width).to(device), dtype)
+        return keys.to(dtype), self.store["positions"].narrow(1, low, width).to(device, torch.int64)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        order = rows.tolist()
+        self.lengths = [self.lengths[i] for i in order] if self.lengths else []
+        if self.summary_groups is not None:
+            self.summary_groups = [self.summary_groups[i] for i in order]
+        for store in (self.sink, self.store):
+            for name, value in store.items():
+                store[name] = value.index_select(0, rows.to(value.device))
+        if self.page_min is not None and self.page_max is not None:
+            self.page_min = self.page_min.index_select(0, rows.to(self.page_min.device))
+            self.page_max = self.page_max.index_select(0, rows.to(self.page_max.device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.sink.values(), *self.store.values(),
+                *(t for t in (self.page_min, self.page_max) if t is not None)]
+
+    def nbytes(self) -> int:
+        return tensors_nbytes(self.tensors())
+
+
+_Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # keys, values, positions, slots
+
+
+@dataclasses.dataclass
+class _Step:
+    """What every layer needs about one forward call's positions (computed once, shared by the layers)."""
+
+    positions: torch.Tensor  # [B, q] int64
+    row_lengths: list[int]  # per row: largest position + 1
+
+
+# ----------------------------------------------------------------------------------------------- the layer
+
+
+class DKCacheLayer(CompressedLayer):
+    """Core / steady / far tiers of one decoder layer (see the module docstring)."""
+
+    def __init__(self, cache: KVCache, layer_idx: int, method: DKCache) -> None:
+        super().__init__(cache, layer_idx)
+        self.method = method
+        self.trained = method.trained_length or int(cache.config.max_position_embeddings)
+        self.core_size, self.steady_bound = method.bounds(self.trained)
+        self.alpha = method.effective_alpha if method.decouple else 0.0
+        self.pre_rope = method.key_storage == "pre_rope"
+        self.table: RopeTable | None = None
+        self.position_limit = 0  # largest position held + 1 (the RoPE table covers it)
+        if self.pre_rope:
+            key = f"dkcache.rope.{cache.layer_types[layer_idx]}"
+            if key not in cache.shared:
+                cache.shared[key] = RopeTable(cache.rotary_for(layer_idx))
+            self.table = cache.shared[key]
+        self.pad: list[int] = []
+        self.core_tier = _Tier(quantized=False)
+        self.steady_tier = _Tier(quantized=method.bits == 8)
+        self.far: _FarTier | None = None
+        self.steady_sum: torch.Tensor | None = None  # [B, H, 1, D] float64, running sum of real steady keys
+        self.steady_count: torch.Tensor | None = None  # [B] float64
+        self.groups: list[int] = []  # Self-Extend group per row at the last step
+        self.last_entropy: torch.Tensor | None = None  # [B] normalised attention entropy of the last step
+        self.last_attended: torch.Tensor | None = None  # [B] entries the last query attended (mean over heads)
+        self.pages_last: torch.Tensor | None = None  # [B, H] far pages retrieved at the last step
+        self.pages_total: torch.Tensor | None = None  # [B, H] summed over decode steps
+        self.decode_steps = 0
+        self.retrieval_steps = 0
+
+    def reset(self) -> None:
+        self.__init__(self.cache, self.layer_idx, self.method)  # type: ignore[misc]
+
+    # -- positions
+    def _step(self, position_ids: torch.Tensor | None, first: int, q_len: int, device: torch.device) -> _Step:
+        """Positions of this forward call, shared by all layers (one host sync per call, not per layer)."""
+        cached = self.cache.shared.get("dkcache.step")
+        key = (first, q_len, self.rows)
+        if cached is not None and cached[0] is position_ids and cached[1] == key:
+            return cached[2]  # type: ignore[no-any-return]
+        if position_ids is None:
+            positions = torch.arange(first, first + q_len, device=device).view(1, -1)
+        else:
+            positions = position_ids.to(device, torch.int64)
+        positions = positions.expand(self.rows, -1)
+        step = _Step(positions, [int(p) + 1 for p in positions.amax(-1).tolist()])
+        self.cache.shared["dkcache.step"] = (position_ids, key, step)
+        return step
+
+    def _group_sizes(self, step: _Step) -> list[int]:
+        if not self.method.remaps_positions:
+            return [1] * self.rows
+        return [group_size(length, self.core_size, self.trained) for length in step.row_lengths]
+
+    def _rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor,
+                     groups: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored keys -> (exact, grouped) keys as attention sees them; ``positions: [B, 1 or H, T]``.
+        Without compensation (or post-RoPE storage) the grouped keys are the exact ones."""
+        if self.table is None:
+            return keys, keys
+        exact = self.table.rotate(keys, positions)
+        grouped = exact if groups is None else self.table.rotate(keys, positions // groups.view(-1, 1, 1))
+        return exact, grouped
+
+    def _grouped_query(self, query: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        assert self.table is not None
+        pre = self.table.unrotate(query, positions)
+        return self.table.rotate(pre, grouped_query_positions(positions, groups, self.core_size))
+
+    # -- the attention step
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        """Store the new tokens in the core, attend (exact at prefill, over the tiers when decoding), re-tier.
+
+        ``query: [B, Hq, q, D]``, ``key, value: [B, H, q, D]`` (post-RoPE) -> ``[B, q, Hq, D]``.
+        """
+        q_len, first = key.shape[2], self.seen
+        step = self._step(kwargs.get("position_ids"), first, q_len, key.device)
+        if first == 0:
+            self._start(attention_mask, q_len)
+        self.groups = self._group_sizes(step)
+        grouped = max(self.groups) > 1
+        groups = torch.tensor(self.groups, device=key.device) if grouped else None
+        scaling = kwargs.get("scaling") or key.shape[-1] ** -0.5
+        if self.table is not None:
+            self.position_limit = max(self.position_limit, *step.row_lengths)
+            self.table.ensure(self.position_limit, key.device)
+        stored = self.table.unrotate(key, step.positions) if self.table is not None else key
+        self.seen += q_len
+        self.core_tier.append(stored, value, step.positions)
+        if first == 0:
+            out = self._prefill_attention(module, query, key, value, stored, attention_mask, step, groups,
+                                          scaling, kwargs)
+        else:
+            out = self._tiered_attention(query, attention_mask, step, groups, scaling, first, q_len)
+        self._retier()
+        return out
+
+    def _start(self, attention_mask: torch.Tensor | None, q_len: int) -> None:
+        """Prefill: left padding per row and, with ``ratio``, the tier bounds from the prompt length."""
+        mask = mask_to_bool(attention_mask)
+        self.pad = [0] * self.rows if mask is None else (~mask[:, 0, -1, :q_len]).sum(-1).tolist()
+        self.pad_count = torch.tensor(self.pad, device=self.device)
+        if self.method.ratio is not None:  # one set of bounds for the batch: from its longest row
+            core, steady = self.method.bounds(self.trained)
+            budget = max(1, int(self.method.ratio * (q_len - min(self.pad))) - self.method.sinks)
+            self.steady_bound = budget
+            self.core_size = min(budget, max(1, round(budget * core / steady)))
+
+    def _prefill_attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, stored: torch.Tensor, attention_mask: torch.Tensor | None,
+                           step: _Step, groups: torch.Tensor | None, scaling: float,
+                           kwargs: dict[str, Any]) -> torch.Tensor:
+        """Exact attention over the prompt; beyond the trained range at compensated positions (in query chunks)."""
+        if groups is None:
+            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            if self.method.retrieve == "entropy":  # the first decode step reads the prompt's last query
+                last = self._prefill_visible(attention_mask, key.shape[2], key.shape[2] - 1, key.shape[2])
+                _, self.last_entropy = remapped_attention(query[:, :, -1:], None, key, None, value, last, None,
+                                                          scaling)
+            return out
+        positions = step.positions
+        key_grouped = self.table.rotate(stored, positions // groups.view(-1, 1)) if self.table else None
+        query_grouped = self._grouped_query(query, positions, groups)
+        b, hq, n, _ = query.shape
+        chunk = max(1, CHUNK_ELEMENTS // max(1, 2 * b * hq * n))
+        outputs = []
+        for low in range(0, n, chunk):
+            high = min(n, low + chunk)
+            visible = self._prefill_visible(attention_mask, n, low, high)[..., :high]
+            near = (positions[:, low:high].unsqueeze(-1) - positions[:, :high].unsqueeze(1)).unsqueeze(1)
+            out, self.last_entropy = remapped_attention(
+                query[:, :, low:high], query_grouped[:, :, low:high], key[:, :, :high], key_grouped[:, :, :high]
+                if key_grouped is not None else None, value[:, :, :high], visible, near < self.core_size, scaling)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1)
+
+    def _prefill_visible(self, attention_mask: torch.Tensor | None, n: int, low: int, high: int) -> torch.Tensor:
+        """``[B, 1, high-low, n]`` bool: which prompt tokens queries ``low..high-1`` may see."""
+        mask = mask_to_bool(attention_mask)
+        if mask is not None:
+            return mask[:, :, low:high, :n].expand(self.rows, -1, -1, -1)
+        queries = torch.arange(low, high, device=self.device).view(-1, 1)
+        return (torch.arange(n, device=self.device).view(1, -1) <= queries).view(1, 1, high - low, n)
+
+    def _tiered_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, step: _Step,
+                          groups: torch.Tensor | None, scaling: float, first: int, q_len: int) -> torch.Tensor:
+        """Decode: attention over sinks + retrieved far pages + steady (decoupled) + core (incl. the new tokens)."""
+        dtype = query.dtype
+        query_grouped = self._grouped_query(query, step.positions, groups) if groups is not None else None
+        parts: list[_Part] = []
+        for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
+            if len(tier):
+                keys, values, positions = tier.read(dtype)
+                if decoupled and self.steady_sum is not None and self.steady_count is not None:
+                    mean = self.steady_sum / self.steady_count.clamp(min=1).view(-1, 1, 1, 1)
+                    keys = decouple_keys(keys, mean, self.alpha)
+                slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
+                parts.append((keys, values, positions.unsqueeze(1), slots.view(1, 1, -1).expand(self.rows, 1, -1)))
+        valid: list[torch.Tensor] = [torch.ones(self.rows, 1, p[0].shape[2], dtype=torch.bool, device=self.device)
+                                     for p in parts]
+        if self.far is not None:
+            for part, ok in self._far_parts(query if query_grouped is None else query_grouped, dtype):
+                parts.insert(0, part)
+                valid.insert(0, ok)
+        h = parts[-1][0].shape[1]  # KV heads
+        rotated = [self._rotate_keys(p[0], p[2], groups) for p in parts]  # per part: cos/sin shared by heads
+        keys_exact = torch.cat([k.expand(-1, h, -1, -1) for k, _ in rotated], dim=2)
+        keys_grouped = None if groups is None else torch.cat([g.expand(-1, h, -1, -1) for _, g in rotated], dim=2)
+        values = torch.cat([p[1].expand(-1, h, -1, -1) for p in parts], dim=2)
+        positions = torch.cat([p[2].expand(self.rows, h, -1) for p in parts], dim=2)
+        slots = torch.cat([p[3].expand(self.rows, h, -1) for p in parts], dim=2)
+        ok = torch.cat([v.expand(self.rows, h, -1) for v in valid], dim=2)
+        slots = slots.clamp(0, first + q_len - 1)
+        visible = visible_mask(attention_mask, slots.to(torch.int32), first, q_len) & ok.unsqueeze(2)
+        near = None
+        if groups is not None:
+            near = (step.positions.view(self.rows, 1, q_len, 1) - positions.unsqueeze(2)) < self.core_size
+        out, self.last_entropy = remapped_attention(query, query_grouped, keys_exact, keys_grouped, values,
+                                                    visible, near, scaling)
+        self.last_attended = visible[:, :, -1, :].sum(-1).float().mean(1)
+        self.decode_steps += 1
+        return out
+
+    def _far_parts(self, query: torch.Tensor,
+                   dtype: torch.dtype) -> list[tuple[_Part, torch.Tensor]]:
+        """Sinks and the retrieved far pages as attention parts (keys, values, positions, slots) + validity."""
+        assert self.far is not None
+        far, parts = self.far, list[tuple[_Part, torch.Tensor]]()
+        pad = self.pad_count.view(-1, 1, 1) if self.pad_count is not None else 0
+        if far.sink:
+            count = torch.tensor([min(far.sinks, n) for n in far.lengths], device=self.device)
+            index = torch.arange(far.sinks, device=self.device).view(1, 1, -1)
+            parts.append(((far.sink["keys"].to(dtype), far.sink["values"].to(dtype),
+                           far.sink["positions"].unsqueeze(1).to(torch.int64), pad + index),
+                          index < count.view(-1, 1, 1)))
+        self.pages_last = None
+        if far.keep_pages and far.page_count():
+            retrieved = self._retrieve(query, dtype)
+            if retrieved is not None:
+                parts.append(retrieved)
+        return parts
+
+    def _retrieve(self, query: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[_Part, torch.Tensor] | None:
+        """The top ``pages`` far pages per (row, KV head) by the upper bound of ``q·k``."""
+        assert self.far is not None
+        far = self.far
+        rows_on = torch.ones(self.rows, dtype=torch.bool, device=self.device)
+        if self.method.retrieve == "entropy" and self.last_entropy is not None:
+            rows_on = self.last_entropy > self.method.entropy_threshold
+            if not bool(rows_on.any()):
+                return None
+        self._refresh_summaries(dtype)
+        assert far.page_min is not None and far.page_max is not None
+        count = far.page_count()
+        b, hq, n, d = query.shape
+        h = far.page_min.shape[1]
+        bounds = page_upper_bounds(query.reshape(b, h, hq // h * n, d), far.page_min[:, :, :count],
+                                   far.page_max[:, :, :count]).amax(2)  # [B, H, P]
+        paged = torch.tensor(far.paged_lengths(), device=self.device).view(-1, 1, 1)
+        page_ok = torch.arange(count, device=self.device).view(1, 1, -1) * far.page < paged
+        top = bounds.masked_fill(~page_ok, float("-inf")).topk(min(self.method.pages, count), dim=-1)
+        chosen = page_ok.expand(b, h, -1).gather(2, top.indices) & rows_on.view(-1, 1, 1)
+        self.pages_last = chosen.sum(-1)
+        self.pages_total = self.pages_last if self.pages_total is None else self.pages_total + self.pages_last
+        self.retrieval_steps += 1
+        index = (top.indices.unsqueeze(-1) * far.page + torch.arange(far.page, device=self.device)).flatten(2)
+        keys, values, positions = far.entries(index, dtype, self.device)
+        ok = (index < paged) & chosen.repeat_interleave(far.page, dim=2)
+        slots = self.pad_count.view(-1, 1, 1) + far.sinks + index if self.pad_count is not None else index
+        return (keys, values, positions, slots), ok
+
+    def _refresh_summaries(self, dtype: torch.dtype) -> None:
+        """Per-channel min/max of each page's keys as attention sees them (rotated at the grouped positions the
+        current step uses); only pages that changed, or all when a row's Self-Extend group changed."""
+        assert self.far is not None
+        far = self.far
+        count = far.page_count()
+        if far.summary_groups != self.groups:
+            far.clean_pages, far.summary_groups = 0, list(self.groups)
+        if far.clean_pages >= count:
+            return
+        b, h, d = self.rows, far.store["keys"].shape[1], far.store["keys"].shape[3]
+        capacity = far.store["positions"].shape[1] // far.page
+        if far.page_min is None or far.page_min.shape[2] < capacity:
+            fresh = [torch.zeros(b, h, capacity, d, device=self.device) for _ in range(2)]
+            if far.page_min is not None and far.page_max is not None:
+                fresh[0][:, :, : far.page_min.shape[2]] = far.page_min
+                fresh[1][:, :, : far.page_max.shape[2]] = far.page_max
+            far.page_min, far.page_max = fresh
+        page_min, page_max = far.page_min, far.page_max
+        assert page_min is not None and page_max is not None
+        groups = torch.tensor(self.groups, device=self.device).view(-1, 1, 1)
+        paged = torch.tensor(far.paged_lengths(), device=self.device).view(-1, 1, 1, 1)
+        step = max(1, CHUNK_ELEMENTS // max(1, b * h * far.page * d))
+        for low in range(far.clean_pages, count, step):
+            high = min(count, low + step)
+            keys, positions = far.page_range(low, high, dtype, self.device)
+            if self.table is not None:
+                keys = self.table.rotate(keys, positions.unsqueeze(1) // groups)
+            index = torch.arange(low * far.page, high * far.page, device=self.device).view(1, 1, -1, 1)
+            keys = keys.float().reshape(b, h, high - low, far.page, d)
+            ok = (index < paged).view(b, 1, high - low, far.page, 1)
+            any_ok = ok.any(3)
+            page_min[:, :, low:high] = keys.masked_fill(~ok, float("inf")).amin(3).masked_fill(~any_ok, 0)
+            page_max[:, :, low:high] = keys.masked_fill(~ok, float("-inf")).amax(3).masked_fill(~any_ok, 0)
+        far.clean_pages = count
+
+    # -- moving tokens between tiers
+    def _retier(self) -> None:
+        """core -> steady -> far, by recency (token index), the same boundaries for every row."""
+        dtype = self.dtype
+        overflow = len(self.core_tier) - self.core_size
+        if overflow > 0:
+            slot = self.core_tier.first_slot
+            keys, values, positions = self.core_tier.pop_front(overflow, dtype)
+            self.steady_tier.first_slot = slot if not len(self.steady_tier) else self.steady_tier.first_slot
+            stored = self.steady_tier.append(keys, values, positions)
+            self._update_mean(stored, slot, +1)
+        overflow = len(self.steady_tier) - (self.steady_bound - self.core_size)
+        if overflow > 0:
+            slot = self.steady_tier.first_slot
+            keys, values, positions = self.steady_tier.pop_front(overflow, dtype)
+            self._update_mean(keys, slot, -1)
+            if self.far is None:
+                self.far = _FarTier(self.method.sinks, self.method.page,
+                                    quantized=self.method.bits == 8 or self.method.far_dtype == "int8",
+                                    keep_pages=self.method.retrieve != "never",
+                                    device=far_device(self.device, self.method.offload))
+            self.far.add(keys, values, positions, slot, self.pad)
+        if not len(self.steady_tier):
+            self.steady_tier.first_slot = self.core_tier.first_slot
+        self.core_tier.fit()
+        self.steady_tier.fit()
+
+    def _update_mean(self, keys: torch.Tensor, first_slot: int, sign: int) -> None:
+        """Running sum / count of the steady tier's real keys (padding excluded), per (row, head)."""
+        if self.alpha <= 0:
+            return
+        slots = torch.arange(first_slot, first_slot + keys.shape[2], device=self.device).view(1, -1)
+        real = (slots >= self.pad_count.view(-1, 1)).double()  # type: ignore[union-attr]
+        total = (keys.double() * real.view(real.shape[0], 1, -1, 1)).sum(2, keepdim=True)
+        if self.steady_sum is None or self.steady_count is None:
+            self.steady_sum, self.steady_count = torch.zeros_like(total), torch.zeros_like(real[:, 0])
+        self.steady_sum += sign * total
+        self.steady_count += sign * real.sum(-1)
+
+    def steady_mean(self) -> torch.Tensor | None:
+        """``[B, H, 1, D]`` the decoupling mean in use (storage space), ``None`` before the tier fills."""
+        if self.steady_sum is None or self.steady_count is None:
+            return None
+        return self.steady_sum / self.steady_count.clamp(min=1).view(-1, 1, 1, 1)
+
+    # -- batch, bytes, stats
+    def select_rows(self, rows: torch.Tensor) -> None:
+        order = rows.tolist()
+        for tier in (self.core_tier, self.steady_tier):
+            tier.select_rows(rows)
+        if self.far is not None:
+            self.far.select_rows(rows)
+        self.pad = [self.pad[i] for i in order] if self.pad else []
+        self.groups = [self.groups[i] for i in order] if self.groups else []
+        for name in ("steady_sum", "steady_count", "last_entropy", "last_attended", "pages_last", "pages_total",
+                     "pad_count"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, rows.to(value.device)))
+        self.rows = len(order)
+
+    def _tier_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"core": self.core_tier.tensors(), "steady": self.steady_tier.tensors(),
+                "far": self.far.tensors() if self.far is not None else [],
+                "other": [t for t in (self.steady_sum, self.steady_count, self.last_entropy, self.last_attended,
+                                      self.pages_last, self.pages_total, self.pad_count) if t is not None]}
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds (all tiers, page summaries, running mean). The RoPE table is
+        shared by all layers of the cache and is not KV; it is not counted."""
+        return tensors_nbytes(t for group in self._tier_tensors().values() for t in group)
+
+    def entries(self) -> int:
+        """Entries held per (row, head): core + steady + the far tier (sinks and pages)."""
+        far = 0
+        if self.far is not None:
+            held = self.far.paged_lengths() if self.far.keep_pages else [0] * self.rows
+            far = max((min(self.far.sinks, n) + p for n, p in zip(self.far.lengths, held, strict=True)), default=0)
+        return len(self.core_tier) + len(self.steady_tier) + far
+
+    def attended_entries(self) -> int:
+        """Entries in the last decode step's attention (last query, mean over KV heads, largest row)."""
+        return 0 if self.last_attended is None else int(round(self.last_attended.max().item()))
+
+    def layer_stats(self) -> dict[str, Any]:
+        """Tier sizes, bytes per tier, per-step attention size, pages retrieved, Self-Extend group."""
+        far = self.far
+        steps = max(self.decode_steps, 1)
+        pages_mean = 0.0 if self.pages_total is None else float(self.pages_total.float().mean()) / steps
+        return {
+            "entries": self.entries(),
+            "attended_entries": self.attended_entries(),
+            "tiers": {"core": len(self.core_tier), "steady": len(self.steady_tier),
+                      "far": max(far.paged_lengths(), default=0) if far is not None and far.keep_pages else 0,
+                      "sinks": max((min(far.sinks, n) for n in far.lengths), default=0) if far is not None else 0},
+            "tier_bytes": {name: tensors_nbytes(group) for name, group in self._tier_tensors().items()},
+            "core_bound": self.core_size,
+            "steady_bound": self.steady_bound,
+            "pages_retrieved_last_step": 0.0 if self.pages_last is None else float(self.pages_last.float().mean()),
+            "pages_retrieved_per_step": pages_mean,
+            "retrieval_steps": self.retrieval_steps,
+            "decode_steps": self.decode_steps,
+            "group_size": max(self.groups, default=1),
+            "last_attention_entropy": None if self.last_entropy is None else float(self.last_entropy.mean()),
+        }
+

@@ -1,0 +1,251 @@
+"""DepthWeave-KV (``depthweave``): storage exactness where promised, rank/error trade-offs, ablation switches.
+
+Tiny random llama (3 layers, 2 KV heads x 16 dims, fp32); every test runs in about a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+import kvweave
+from kvweave._compat import cache_kwarg
+from kvweave.lowrank import pack, top_basis
+from kvweave.methods.depthweave import percentile
+
+SMALL = dict(recent=8, block=8, probe=8, window=8, sinks=2)
+EXACT_STORE = dict(router=False, residuals=False, probes=False, rank=4096, storage="model")  # full rank, fp32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randint(3, 150, (1, n))
+
+
+def _prefill(model, ids, **options):
+    cache = kvweave.make_cache("depthweave", model, **{**SMALL, **options})
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    return cache
+
+
+def _reference_kv(model, ids):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
+
+
+def relative_kv_error(cache, reference) -> float:
+    """Mean over layers of ``‖K̂ − K‖/‖K‖ + ‖V̂ − V‖/‖V‖`` at the held tokens."""
+    total = 0.0
+    for idx, (k_ref, v_ref) in enumerate(reference):
+        k, v, slots = cache.layers[idx].held_kv()
+        k_ref, v_ref = k_ref[:, slots], v_ref[:, slots]
+        total += ((k - k_ref).norm() / k_ref.norm() + (v - v_ref).norm() / v_ref.norm()).item()
+    return total / len(reference)
+
+
+def _summary(cache, layer: int = 0):
+    return cache.stats()["layers"][layer]
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def test_pack_round_trip_and_bytes():
+    torch.manual_seed(0)
+    x = torch.randn(100, 13) * torch.logspace(0, 2, 13)
+    for bits, tol in ((16, 0.0), (8, 0.01), (4, 0.15)):
+        packed = pack(x, bits, 64, torch.float32)
+        err = ((packed.dequantize() - x).norm() / x.norm()).item()
+        assert err <= tol + 1e-7, (bits, err)
+    grown = pack(x[:70], 8, 64, torch.float32).append_rows(x[70:])
+    assert grown.rows == 100 and ((grown.dequantize() - x).norm() / x.norm()).item() < 0.01
+    assert pack(x, 4, 64, torch.float32).data.shape == (100, 7)  # two values per byte
+
+
+def test_top_basis_spans_low_rank_data():
+    torch.manual_seed(0)
+    x = torch.randn(200, 5) @ torch.randn(5, 40)
+    v, s = top_basis(x, 5)
+    assert v.shape == (40, 5) and torch.allclose(v.T @ v, torch.eye(5), atol=1e-5)
+    assert ((x - x @ v @ v.T).norm() / x.norm()).item() < 1e-5
+
+
+def test_percentile_ties_share_lowest_rank():
+    assert percentile(torch.tensor([0.0, 0.0, 0.0, 5.0])).tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+def test_full_rank_without_residuals_equals_full_cache(model, keys):
+    """rank = full, router/residuals/probes off: logits equal DynamicCache within 1e-4 (fp32), also after folds."""
+    ids = _ids(90, seed=3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kwargs, **{cache_kwarg(model): DynamicCache(config=model.config)})
+    cache = kvweave.make_cache("depthweave", model, **SMALL, **EXACT_STORE, keys=keys, group=2)
+    out = model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True)) <= 1e-4
+    assert _summary(cache)["folds"] >= 2  # the decode tokens were folded into the factorization too
+
+
+def test_residual_rows_make_router_tokens_exact(model):
+    ids = _ids(64)
+    cache = _prefill(model, ids, rank=2, probes=False, residual_tokens=0.1, group=2, storage="model")
+    reference = _reference_kv(model, ids)
+    store = cache.layers[0].group.rows[0]
+    exact = store.exact_slots.long()
+    assert exact.numel() == round(0.1 * 56) and set(range(2)) <= set(exact.tolist())  # sinks among them
+    for idx in (0, 1):
+        k, v, slots = cache.layers[idx].held_kv()
+        where = torch.isin(slots, exact)
+        k_ref, v_ref = reference[idx][0][:, slots], reference[idx][1][:, slots]
+        assert torch.equal(k[:, where], k_ref[:, where]) and torch.equal(v[:, where], v_ref[:, where])
+        assert (k[:, ~where] - k_ref[:, ~where]).abs().max() > 1e-3  # the others are rank-2 approximations
+
+
+# ------------------------------------------------------------------------------------------- rank and error
+
+
+def test_reconstruction_error_falls_as_rank_rises(model):
+    ids = _ids(96)
+    reference = _reference_kv(model, ids)
+    errors = [relative_kv_error(_prefill(model, ids, rank=r, probes=False, group=2), reference) for r in (2, 8, 32)]
+    assert errors[0] > errors[1] > errors[2], errors
+
+
+def test_probe_error_decreases_with_rank(model):
+    ids = _ids(96)
+    errors = [_summary(_prefill(model, ids, rank=r, probes=False, group=2))["probe_error"] for r in (1, 4, 16, 48)]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+
+
+def test_target_ratio_is_met_within_15_percent(model):
+    ids = _ids(512)
+    for target in (3.0, 6.0):
+        cache = _prefill(model, ids, target_ratio=target, group=4)
+        measured = cache.full_kv_bytes() / cache.nbytes()
+        assert abs(measured / target - 1) <= 0.15, (target, measured)
+
+
+def test_target_error_picks_higher_rank_for_lower_error(model):
+    ids = _ids(128)
+    loose = _summary(_prefill(model, ids, target_error=0.5, group=2))
+    tight = _summary(_prefill(model, ids, target_error=0.05, group=2))
+    assert tight["rank_k"] + tight["rank_v"] > loose["rank_k"] + loose["rank_v"]
+    assert tight["probe_error"] < loose["probe_error"]
+
+
+def test_int8_bases_close_to_unquantized(model):
+    ids = _ids(96)
+    plain = _summary(_prefill(model, ids, rank=8, probes=False, group=2))
+    int8 = _summary(_prefill(model, ids, rank=8, probes=False, group=2, bits=8))
+    int4 = _summary(_prefill(model, ids, rank=8, probes=False, group=2, bits=4))
+    assert abs(int8["probe_error"] - plain["probe_error"]) <= 0.01 + 0.05 * plain["probe_error"]
+    assert int8["group_bytes"] < plain["group_bytes"] and int4["group_bytes"] < int8["group_bytes"]
+    assert int8["group_compression_unquantized"] < int8["group_compression"]
+
+
+# ------------------------------------------------------------------------------------------- ablations
+
+
+def test_ablation_options_take_effect(model):
+    ids = _ids(96)
+    default = _summary(_prefill(model, ids, group=2))
+    assert default["tokens"]["hi"] > 0 and default["tokens"]["lo"] > 0 and default["tokens"]["exact"] > 0
+
+    uniform = _summary(_prefill(model, ids, group=2, router=False))
+    assert uniform["tokens"]["hi"] == uniform["tokens"]["lo"] == 0 and uniform["tokens"]["exact"] == 2  # sinks
+
+    no_residuals = _summary(_prefill(model, ids, group=2, residuals=False))
+    assert no_residuals["tokens"]["exact"] == 0 and no_residuals["bytes_by_part"]["exact_rows"] == 0
+
+    fixed = _summary(_prefill(model, ids, group=2, probes=False, rank=5))
+    assert fixed["rank_k"] == fixed["rank_v"] == 5
+
+    evicting = _prefill(model, ids, group=2, evict=0.5)
+    assert _summary(evicting)["tokens"]["evicted"] == int(0.5 * (88 - round(0.02 * 88)))
+    assert _summary(evicting)["entries"] < default["entries"]
+
+    for size, groups in ((1, 3), (2, 2), (4, 1)):
+        stats = _prefill(model, ids, group=size, rank=4, probes=False).stats()["layers"]
+        assert len({layer["group"] for layer in stats}) == groups
+
+    post = _prefill(model, ids, group=2, keys="post_rope")
+    assert all(s.positions is None for s in post.layers[0].group.rows[0].segments.values())
+    int8 = _prefill(model, ids, group=2, bits=8)
+    assert all(s.coords_k.data.dtype == torch.int8 for s in int8.layers[0].group.rows[0].segments.values())
+
+
+def test_group_shares_one_base_and_frees_exact_kv(model):
+    ids = _ids(96)
+    cache = _prefill(model, ids, group=2, rank=4, probes=False)
+    assert cache.layers[0].group is cache.layers[1].group and cache.layers[2].group is not cache.layers[0].group
+    assert all(layer.recent_count() == 8 for layer in cache.layers)  # only the recent buffer stays exact
+    parts = _summary(cache)["bytes_by_part"]
+    assert parts["coordinates"] > 0 and parts["coefficients"] > 0 and parts["indices"] > 0
+
+
+# ------------------------------------------------------------------------------------------- router
+
+
+def test_token_ids_hook_routes_rare_tokens_to_exact_rows(model):
+    ids = torch.tensor([[5, 6, 7, 8] * 16])
+    ids[0, 30] = 140  # the only rare token
+    cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, residual_tokens=0.1)
+    cache.shared["token_ids"] = ids
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    assert 30 in cache.layers[0].group.rows[0].exact_slots.tolist()
+
+
+def test_unusual_span_survives_without_token_ids(model):
+    """A needle (unique tokens in a repetitive haystack) is kept exact or high-rank by novelty, not digits."""
+    haystack = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12] * 12)
+    needle = torch.tensor([101, 117, 133, 149])
+    ids = torch.cat([haystack[:40], needle, haystack[40:]]).view(1, -1)
+    cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, residual_tokens=0.05, rank=2, probes=False)
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    store = cache.layers[0].group.rows[0]
+    high = set(store.exact_slots.tolist())
+    for (wk, _), segment in store.segments.items():
+        if wk == max(w for w, _ in store.segments):
+            high |= set(segment.slots.tolist())
+    assert set(range(40, 44)) <= high
+
+
+# ------------------------------------------------------------------------------------------- decoding
+
+
+def test_decoding_folds_blocks_at_the_compressed_rate(model):
+    ids = _ids(64)
+    cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, rank=4, probes=False)
+    out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                         **{cache_kwarg(model): cache})
+    assert out.shape[1] == 104
+    assert all(layer.recent_count() < 8 + 8 for layer in cache.layers)
+    stats = _summary(cache)
+    assert stats["folds"] >= 5 and cache.nbytes() < cache.full_kv_bytes(bits=32) / 2
+
+
+def test_decode_probes_track_error(model):
+    ids = _ids(64)
+    cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, target_error=0.2)
+    model.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, **{cache_kwarg(model): cache})
+    stats = _summary(cache)
+    assert stats["last_fold_error"] is not None and stats["folds"] >= 3
+    held = cache.layers[0].group.rows[0]
+    assert held.token_counts["mid"] + held.token_counts["hi"] + held.token_counts["lo"] + held.token_counts[
+        "exact"] == sum(s.slots.numel() for s in held.segments.values()) + held.exact_slots.numel()

@@ -1,0 +1,319 @@
+"""DK-Cache (``dkcache``): tiers, decoupling, far retrieval, RoPE compensation, storage, validation.
+
+Tiny random models; the contract test covers batch alignment, prefix continuation and byte accounting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvweave
+from conftest import tiny_model
+from kvweave._compat import cache_kwarg
+from kvweave.cache import parse_method
+from kvweave.methods import dkcache
+from kvweave.methods.dkcache import (
+    DKCache,
+    decouple_keys,
+    default_bounds,
+    dequantize_int8,
+    far_device,
+    group_size,
+    measure_key_shift,
+    page_upper_bounds,
+    quantize_int8,
+    remapped_distance,
+    steady_mean,
+)
+
+SMALL = "dkcache:core=4,steady=12,page=8,sinks=2"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    torch.manual_seed(0)
+    ids = torch.randint(3, 150, (2, 48))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, cache, new_tokens=8):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          **{cache_kwarg(model): cache})
+
+
+def _run(model, batch, spec):
+    cache = kvweave.make_cache(spec, model)
+    return _generate(model, *batch, cache), cache
+
+
+def _logit_gap(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+
+
+# --------------------------------------------------------------------------------------------- options
+
+
+def test_default_bounds_scale_with_trained_context():
+    assert default_bounds(131072) == (8192, 65536)  # the seed's 128K model: core 8K, steady to 64K
+    assert DKCache().bounds(8192) == (512, 4096)
+    assert DKCache(core=100).bounds(8192) == (100, 4096)
+    assert DKCache(steady=200).bounds(8192) == (200, 200)
+
+
+def test_alpha_and_profiles():
+    assert DKCache().effective_alpha == 0.38
+    assert DKCache(profile="chat").effective_alpha == 0.30
+    assert DKCache(profile="code").effective_alpha == 0.42
+    assert DKCache(profile="code", alpha=0.25).effective_alpha == 0.25
+    for alpha in (0.2, 0.51, 1.0):
+        with pytest.raises(ValueError, match=r"alpha=.*\[0.25, 0.5\]"):
+            DKCache(alpha=alpha)
+    with pytest.raises(ValueError, match=r"profile='poetry'.*'chat', 'code'"):
+        parse_method("dkcache:profile=poetry")
+
+
+def test_value_decoupling_and_int4_refused_with_reasons():
+    with pytest.raises(ValueError, match="decouple_values=True is refused: values carry the content"):
+        DKCache(decouple_values=True)
+    with pytest.raises(ValueError, match="bits=4 is refused.*seed rule 5"):
+        parse_method("dkcache:bits=4")
+    assert DKCache(bits=8).bits == 8
+
+
+def test_post_rope_storage_turns_compensation_off():
+    assert DKCache().remaps_positions
+    assert not DKCache(key_storage="post_rope").remaps_positions
+    assert not DKCache(rope_compensation=False).remaps_positions
+
+
+# ------------------------------------------------------------------------------------------- decoupling
+
+
+def test_decoupling_is_per_head_over_real_entries():
+    torch.manual_seed(0)
+    keys = torch.randn(2, 3, 10, 8)
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :4] = False  # row 1: padding entries do not count
+    mean = steady_mean(keys, valid)
+    for b in range(2):
+        for h in range(3):
+            expected = keys[b, h][valid[b]].mean(0)
+            torch.testing.assert_close(mean[b, h, 0], expected)
+            torch.testing.assert_close(decouple_keys(keys, mean, 0.38)[b, h], keys[b, h] - 0.38 * expected)
+
+
+def test_uniform_shift_leaves_attention_unchanged_tier_shift_does_not():
+    torch.manual_seed(0)
+    query, keys, values = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 40, 16) + 2.0, torch.randn(1, 2, 40, 16)
+    tier = torch.zeros(40, dtype=torch.bool)
+    tier[10:30] = True
+    effect = measure_key_shift(query, keys, values, tier, alpha=0.38)
+    assert effect["uniform_max_prob_change"] <= 1e-5 and effect["uniform_max_output_change"] <= 1e-5
+    assert effect["tier_max_prob_change"] > 1e-3 and effect["tier_max_output_change"] > 1e-3
+    assert effect["tier_mass_before"] != pytest.approx(effect["tier_mass_after"])
+
+
+def test_running_steady_mean_tracks_the_tier(model, batch):
+    _, cache = _run(model, batch, SMALL + ",bits=8")
+    layer = cache.layers[0]
+    keys, _, _ = layer.steady_tier.read(torch.float32)
+    slots = torch.arange(layer.steady_tier.first_slot, layer.steady_tier.first_slot + keys.shape[2])
+    real = slots.view(1, -1) >= layer.pad_count.view(-1, 1)
+    torch.testing.assert_close(layer.steady_mean().float(), steady_mean(keys, real), atol=1e-5, rtol=1e-5)
+
+
+def test_decoupling_changes_decoding_and_its_space_matters(model, batch):
+    plain, _ = _run(model, batch, SMALL + ",pages=2,decouple=false")
+    pre, _ = _run(model, batch, SMALL + ",pages=2")
+    post, _ = _run(model, batch, SMALL + ",pages=2,key_storage=post_rope")
+    assert _logit_gap(plain, pre) > 1e-4 and _logit_gap(pre, post) > 1e-6
+
+
+# ----------------------------------------------------------------------------------------- tiers / far
+
+
+def test_tokens_move_core_to_steady_to_far(model):
+    cache = kvweave.make_cache(SMALL + ",pages=2", model)
+    ids = torch.randint(3, 150, (1, 40))
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+        tiers = cache.stats()["layers"][0]["tiers"]
+        assert tiers == {"core": 4, "steady": 8, "far": 26, "sinks": 2}
+        for _ in range(5):
+            model(torch.randint(3, 150, (1, 1)), **{cache_kwarg(model): cache})
+    stats = cache.stats()["layers"][0]
+    assert stats["tiers"] == {"core": 4, "steady": 8, "far": 31, "sinks": 2}
+    assert stats["pages_retrieved_last_step"] == 2
+    # in attention each step: sinks + 2 pages (the newest may be partly filled) + steady + core (+ the new token)
+    assert 2 + 8 + 8 + 4 + 1 < stats["attended_entries"] <= 2 + 2 * 8 + 8 + 4 + 1
+    assert stats["entries"] == 45 and set(stats["tier_bytes"]) == {"core", "steady", "far", "other"}
+
+
+def test_all_pages_retrieved_equals_attention_over_everything(model, batch):
+    ref = _generate(model, *batch, DynamicCache(config=model.config))
+    out, cache = _run(model, batch, SMALL + ",pages=100,decouple=false")
+    assert torch.equal(out.sequences, ref.sequences)
+    assert _logit_gap(out, ref) <= 1e-5
+    assert cache.stats()["layers"][0]["pages_retrieved_last_step"] == 5  # ceil((48 - 12 - 2) / 8)
+
+
+def test_retrieve_never_is_the_seeds_truncation(model, batch):
+    out, cache = _run(model, batch, SMALL + ",decouple=false,retrieve=never")
+    window, _ = _run(model, batch, "window:window=12,sinks=2")  # sinks + last `steady` tokens
+    assert _logit_gap(out, window) <= 1e-5
+    stats = cache.stats()["layers"][0]
+    assert stats["pages_retrieved_per_step"] == 0 and stats["tiers"]["far"] == 0
+    assert stats["attended_entries"] == 2 + 12 + 1
+    assert stats["entries"] == 2 + 12  # only the sinks of the far tier are held
+
+
+def test_entropy_gated_retrieval(model, batch):
+    always, _ = _run(model, batch, SMALL + ",pages=2")
+    gated_low, _ = _run(model, batch, SMALL + ",pages=2,retrieve=entropy,entropy_threshold=0")
+    assert _logit_gap(always, gated_low) == 0
+    gated_high, cache = _run(model, batch, SMALL + ",pages=2,retrieve=entropy,entropy_threshold=1")
+    never, _ = _run(model, batch, SMALL + ",retrieve=never")
+    assert _logit_gap(gated_high, never) <= 1e-5
+    assert cache.stats()["layers"][0]["retrieval_steps"] == 0
+
+
+def test_page_upper_bound_holds():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 5, 8, 16)  # [B, H, pages, page, D]
+    query = torch.randn(1, 2, 3, 16)
+    bound = page_upper_bounds(query, keys.amin(3), keys.amax(3))  # [B, H, q, pages]
+    actual = torch.einsum("bhqd,bhptd->bhqpt", query, keys).amax(-1)
+    assert (bound >= actual - 1e-5).all()
+
+
+def test_int8_storage(model, batch):
+    x = torch.randn(2, 3, 7, 16) * 5
+    q, scale = quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.shape == (2, 3, 7, 1)
+    assert ((dequantize_int8(q, scale, torch.float32) - x).abs() <= scale / 2 + 1e-6).all()
+    exact, exact_cache = _run(model, batch, SMALL + ",pages=2")
+    int8, int8_cache = _run(model, batch, SMALL + ",pages=2,bits=8")
+    assert _logit_gap(exact, int8) < 0.1
+    assert int8_cache.nbytes() < exact_cache.nbytes()
+    far_only, far_cache = _run(model, batch, SMALL + ",pages=2,far_dtype=int8")
+    assert far_cache.layers[0].far.store["keys"].dtype == torch.int8
+    assert far_cache.layers[0].steady_tier.parts["keys"].data.dtype == torch.float32
+
+
+def test_offload_places_far_tier_on_host():
+    assert far_device(torch.device("cuda", 0), True) == torch.device("cpu")
+    assert far_device(torch.device("cuda", 0), False) == torch.device("cuda", 0)
+    assert far_device(torch.device("cpu"), True) == torch.device("cpu")
+
+
+def test_offload_on_cpu_changes_nothing(model, batch):
+    a, _ = _run(model, batch, SMALL + ",pages=2,offload=true")
+    b, _ = _run(model, batch, SMALL + ",pages=2")
+    assert _logit_gap(a, b) == 0
+
+
+def test_ratio_sets_bounds_from_the_prompt(model):
+    cache = kvweave.make_cache("dkcache:ratio=0.5,sinks=2,page=4", model)
+    with torch.no_grad():
+        model(torch.randint(3, 150, (1, 40)), **{cache_kwarg(model): cache})
+    stats = cache.stats()["layers"][0]
+    assert stats["steady_bound"] == 18 and stats["core_bound"] == 2  # 0.5 * 40 - 2 sinks; core 1/8 of it
+
+
+def test_beam_search_reorders_rows(model):
+    ids = torch.randint(3, 150, (1, 30))
+    cache = kvweave.make_cache(SMALL + ",pages=2", model)
+    out = model.generate(ids, num_beams=2, max_new_tokens=4, do_sample=False, **{cache_kwarg(model): cache})
+    assert out.shape == (1, 34)
+
+
+# ------------------------------------------------------------------------------------- RoPE compensation
+
+
+def test_remapped_distances_stay_inside_the_trained_range():
+    trained, window = 64, 8
+    for length in (64, 65, 100, 300, 1000):
+        group = group_size(length, window, trained)
+        q = torch.arange(length).view(-1, 1)
+        k = torch.arange(length).view(1, -1)
+        distance = remapped_distance(q, k, window, group)[k.expand(length, -1) <= q]
+        assert distance.max() <= trained - 1 and distance.min() >= 0
+        exact = (q - k)[k.expand(length, -1) <= q]
+        assert torch.equal(distance[exact < window], exact[exact < window])  # neighbours are exact
+        assert group == 1 or length > trained
+    assert group_size(64, window, trained) == 1
+    with pytest.raises(ValueError, match="core < trained length"):
+        group_size(100, 63, 64)
+
+
+def _naive_self_extend(rotary, q_pre, k_pre, values, window, group, scaling):
+    """Reference: logits from the remapped relative position of each (query, key) pair, causal."""
+    n = q_pre.shape[2]
+    groups = q_pre.shape[1] // k_pre.shape[1]
+    k_pre, values = k_pre.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    positions = torch.arange(n)
+    outputs = []
+    for i in range(n):
+        rel = remapped_distance(torch.tensor(i), positions[: i + 1], window, group)
+        rotated = rotary.rotate(q_pre[:, :, i : i + 1].expand(-1, -1, i + 1, -1), rel.view(1, -1))
+        logits = (rotated * k_pre[:, :, : i + 1]).sum(-1) * scaling  # q at rel, k at 0
+        outputs.append(torch.softmax(logits, -1).unsqueeze(-2) @ values[:, :, : i + 1])
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def test_compensated_attention_equals_self_extend_reference(model, monkeypatch):
+    monkeypatch.setattr(dkcache, "CHUNK_ELEMENTS", 4 * 40 * 12)  # several query chunks at prefill
+    cache = kvweave.make_cache("dkcache:core=4,steady=12,page=4,pages=100,sinks=2,decouple=false,"
+                               "trained_length=16", model)
+    layer, module = cache.layers[0], model.model.layers[0].self_attn
+    rotary = cache.rotary_for(0)
+    torch.manual_seed(0)
+    n = 40
+    q_pre, k_pre, values = torch.randn(1, 4, n + 1, 16), torch.randn(1, 2, n + 1, 16), torch.randn(1, 2, n + 1, 16)
+    positions = torch.arange(n + 1).view(1, -1)
+    query, key = rotary.rotate(q_pre, positions), rotary.rotate(k_pre, positions)
+    layer.lazy_initialization(key, values)
+    scaling = 0.25
+    out = layer.attend(module, query[:, :, :n], key[:, :, :n], values[:, :, :n], None,
+                       position_ids=positions[:, :n], scaling=scaling)
+    assert layer.groups == [group_size(n, 4, 16)] == [4]
+    ref = _naive_self_extend(rotary, q_pre[:, :, :n], k_pre[:, :, :n], values[:, :, :n], 4, 4, scaling)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    # one decode step: sinks + every far page + steady + core, the same remapping (group for n + 1 tokens)
+    out = layer.attend(module, query[:, :, n:], key[:, :, n:], values[:, :, n:], None,
+                       position_ids=positions[:, n:], scaling=scaling)
+    ref = _naive_self_extend(rotary, q_pre, k_pre, values, 4, group_size(n + 1, 4, 16), scaling)
+    torch.testing.assert_close(out, ref[:, n:], atol=1e-5, rtol=1e-4)
+    assert layer.layer_stats()["tiers"]["far"] > 0
+
+
+def test_compensation_off_pre_rope_storage_equals_post_rope(model, batch):
+    pre, _ = _run(model, batch, SMALL + ",pages=2,decouple=false,rope_compensation=false")
+    post, _ = _run(model, batch, SMALL + ",pages=2,decouple=false,key_storage=post_rope")
+    assert torch.equal(pre.sequences, post.sequences) and _logit_gap(pre, post) <= 1e-5
+
+
+def test_compensation_inside_trained_range_is_identity(model, batch):
+    on, _ = _run(model, batch, SMALL + ",pages=2")
+    off, _ = _run(model, batch, SMALL + ",pages=2,rope_compensation=false")
+    assert _logit_gap(on, off) <= 1e-6
+
+
+def test_beyond_trained_range_batch_rows_equal_single_rows(model, batch):
+    spec = SMALL + ",pages=2,trained_length=24"
+    out, cache = _run(model, batch, spec)
+    assert cache.stats()["layers"][0]["group_size"] > 1
+    ids, mask = batch
+    single = _generate(model, ids[1:, 5:], mask[1:, 5:], kvweave.make_cache(spec, model))
+    assert torch.equal(out.sequences[1, ids.shape[1]:], single.sequences[0, ids.shape[1] - 5:])
+    assert all(torch.isfinite(step).all() for step in out.logits)
