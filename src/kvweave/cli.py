@@ -204,6 +204,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from kvweave.eval import perplexity
+
+    for spec in _split(args.methods):
+        from kvweave.cache import parse_method
+
+        parse_method(spec)
+    model, tokenizer = _load(args)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "command.txt").write_text("kvweave " + " ".join(sys.argv[1:]) + "\n")
+    rows = perplexity.run_perplexity(model, tokenizer, args.model, _split(args.methods), corpus=args.corpus,
+                                     window=args.window, target=args.target, windows=args.windows,
+                                     data_dir=args.data, out_dir=out)
+    summary = perplexity.summarize_perplexity(rows)
+    print(json.dumps(summary, indent=2) if args.json else perplexity.format_perplexity(summary))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- parser
 
 
@@ -300,6 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "summary": [...]}')
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("ppl", help="perplexity of long text with a compressed cache", epilog=EPILOG,
+                       description="Per window of --window tokens, prefill (and compress) all but the last "
+                       "--target tokens, then score those by teacher forcing through the same cache.")
+    model_args(p)
+    p.add_argument("--methods", default="full", help="comma-separated method specs")
+    p.add_argument("--corpus", default="wikitext2_valid",
+                   help="wikitext2_valid, wikitext2_test, tinyshakespeare (need --data/KVWEAVE_DATA), pydoc, code")
+    p.add_argument("--window", type=int, default=4096, help="tokens per window")
+    p.add_argument("--target", type=int, default=512, help="scored tokens at the end of each window")
+    p.add_argument("--windows", type=int, default=4, help="number of windows")
+    p.add_argument("--data", help="data folder (or set KVWEAVE_DATA)")
+    p.add_argument("--out", help="run folder: ppl.jsonl; a rerun resumes")
+    p.add_argument("--json", action="store_true", help="machine-readable summary")
+    p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser(
         "report",
