@@ -217,6 +217,7 @@ class KVCache(Cache):
         rotary = find_rotary(model)
         self.rotary = {t: Rotary(rotary, t) for t in set(self.layer_types)} if rotary is not None else {}
         self.shared: dict[str, Any] = {}  # state shared between layers (cross-layer methods)
+        self.replaying = False  # filled from a recorded prefill (kvweave.eval.prefill): outputs unused
         layers = default_layers(self.config)
         for idx, layer in enumerate(layers):
             if not getattr(layer, "is_sliding", False) and self.layer_types[idx] == "full_attention":
@@ -413,7 +414,9 @@ class CompressedLayer(CacheLayerMixin):
                 else torch.zeros(self.rows, dtype=torch.int64, device=self.device)
             )
         keys, values = self.attention_keys_values(query)
-        if self.slots is None:  # nothing evicted: transformers' own path, exact
+        if self.cache.replaying:  # shared-prefill replay: the output is known already, only the store matters
+            out = query.new_empty(0)
+        elif self.slots is None:  # nothing evicted: transformers' own path, exact
             out, _ = sdpa_attention(module, query, keys, values, attention_mask, **kwargs)
         else:
             mask = visible_mask(attention_mask, self.slots, first, q_len)

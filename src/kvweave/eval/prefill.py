@@ -98,6 +98,14 @@ def replay_prefill(cache: KVCache, recorded: list[LayerStep | tuple[torch.Tensor
     """Fill a fresh ``cache`` from a recorded prefill, as a real forward pass would have."""
     if not cache.method.exact_prefill:
         raise ValueError(f"{cache.method.name} changes prefill attention; it needs a real forward pass")
+    cache.replaying = True
+    try:
+        _replay_layers(cache, recorded)
+    finally:
+        cache.replaying = False
+
+
+def _replay_layers(cache: KVCache, recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for idx, step in enumerate(recorded):
             layer = cache.layers[idx]
