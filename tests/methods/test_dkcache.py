@@ -246,8 +246,10 @@ def test_remapped_distances_stay_inside_the_trained_range():
         group = group_size(length, window, trained)
         q = torch.arange(length).view(-1, 1)
         k = torch.arange(length).view(1, -1)
-        distance = remapped_distance(q, k, window, group)[k.expand(length, -1) <= q]
+        distance = remapped_distance(q, k, window, group, trained)[k.expand(length, -1) <= q]
         assert distance.max() <= trained - 1 and distance.min() >= 0
+        inside = remapped_distance(q[:trained], k, window, group, trained)  # queries inside the trained range
+        assert torch.equal(inside, q[:trained] - k)
         exact = (q - k)[k.expand(length, -1) <= q]
         assert torch.equal(distance[exact < window], exact[exact < window])  # neighbours are exact
         assert group == 1 or length > trained
@@ -256,7 +258,7 @@ def test_remapped_distances_stay_inside_the_trained_range():
         group_size(100, 63, 64)
 
 
-def _naive_self_extend(rotary, q_pre, k_pre, values, window, group, scaling):
+def _naive_self_extend(rotary, q_pre, k_pre, values, window, group, scaling, trained):
     """Reference: logits from the remapped relative position of each (query, key) pair, causal."""
     n = q_pre.shape[2]
     groups = q_pre.shape[1] // k_pre.shape[1]
@@ -264,7 +266,7 @@ def _naive_self_extend(rotary, q_pre, k_pre, values, window, group, scaling):
     positions = torch.arange(n)
     outputs = []
     for i in range(n):
-        rel = remapped_distance(torch.tensor(i), positions[: i + 1], window, group)
+        rel = remapped_distance(torch.tensor(i), positions[: i + 1], window, group, trained)
         rotated = rotary.rotate(q_pre[:, :, i : i + 1].expand(-1, -1, i + 1, -1), rel.view(1, -1))
         logits = (rotated * k_pre[:, :, : i + 1]).sum(-1) * scaling  # q at rel, k at 0
         outputs.append(torch.softmax(logits, -1).unsqueeze(-2) @ values[:, :, : i + 1])
@@ -287,12 +289,12 @@ def test_compensated_attention_equals_self_extend_reference(model, monkeypatch):
     out = layer.attend(module, query[:, :, :n], key[:, :, :n], values[:, :, :n], None,
                        position_ids=positions[:, :n], scaling=scaling)
     assert layer.groups == [group_size(n, 4, 16)] == [4]
-    ref = _naive_self_extend(rotary, q_pre[:, :, :n], k_pre[:, :, :n], values[:, :, :n], 4, 4, scaling)
+    ref = _naive_self_extend(rotary, q_pre[:, :, :n], k_pre[:, :, :n], values[:, :, :n], 4, 4, scaling, 16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     # one decode step: sinks + every far page + steady + core, the same remapping (group for n + 1 tokens)
     out = layer.attend(module, query[:, :, n:], key[:, :, n:], values[:, :, n:], None,
                        position_ids=positions[:, n:], scaling=scaling)
-    ref = _naive_self_extend(rotary, q_pre, k_pre, values, 4, group_size(n + 1, 4, 16), scaling)
+    ref = _naive_self_extend(rotary, q_pre, k_pre, values, 4, group_size(n + 1, 4, 16), scaling, 16)
     torch.testing.assert_close(out, ref[:, n:], atol=1e-5, rtol=1e-4)
     assert layer.layer_stats()["tiers"]["far"] > 0
 

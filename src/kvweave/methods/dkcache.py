@@ -7,7 +7,8 @@ What it implements (DESIGN.md, "DK-Cache"):
   *far* = older tokens, out of per-step attention. The first ``sinks`` real tokens of each row (attention
   sinks, Xiao et al. 2023) always attend. Tokens move core -> steady -> far as decoding proceeds. Defaults
   scale with the trained context ``L`` (``max_position_embeddings``): the seed's 128K model has core 8K and
-  steady up to 64K, so core = ``L/16``, steady = ``L/2``. ``ratio`` sets core+steady from the prompt length.
+  steady up to 64K, so core = ``L/16``, steady = ``L/2`` (``steady`` is a recency bound: the steady tier holds
+  ``steady − core`` tokens). ``ratio`` sets sinks+core+steady to a fraction of the prompt (its longest row).
 - **Decoupling** ``K̂ = K − α·mean(K_steady)`` per (row, KV head) on the steady tier's keys only, the mean kept
   up to date with a running sum as tokens enter and leave the tier. α ∈ [0.25, 0.5], default 0.38; profiles
   ``chat`` 0.30 and ``code`` 0.42 (seed rule 1). Values are never decoupled (seed rule 2).
@@ -27,14 +28,20 @@ What it implements (DESIGN.md, "DK-Cache"):
 - **RoPE angle compensation** (Self-Extend, Jin et al. 2024, arXiv:2401.01325): keys are stored pre-RoPE and
   rotated at attention time. A pair (query ``i``, key ``j``) with ``i − j < core`` keeps its exact relative
   position; farther pairs use grouped positions, query ``i // G + core − core // G`` and key ``j // G``, with
-  the smallest ``G`` (per row, per step) that keeps every relative position below the trained length. Inside
-  the trained range ``G = 1`` and the mapping is the identity.
+  the smallest ``G`` (per row, per step) that keeps every relative position below the trained length. Queries
+  inside the trained range (position < trained length) keep exact positions for every key, so the mapping is
+  the identity until the context outgrows the trained range. Compensation needs the RoPE inverse to be exact:
+  rotary embeddings with an attention scaling other than 1 (YaRN) are not exactly invertible by the helper.
 - INT8 steady/far storage (``bits=8``); INT4 is refused (seed rule 5).
 
 What measuring it says (see :func:`measure_key_shift`): subtracting one vector from *every* key leaves softmax
 attention unchanged (``q·c`` is the same for all keys of a query), so the seed's own code — which de-means the
 whole key tensor — is a no-op. Shifting only the steady tier does change attention; how much, and whether it
-helps, is what the evaluation measures. Prefill attention is exact (as in kvpress); the tiers shape decoding.
+helps, is what the evaluation measures. Prefill attention is exact over the whole prompt (as in kvpress; at
+compensated positions beyond the trained range); the tiers shape decoding. Per step, attention sees sinks +
+retrieved pages + steady + core (``attended_entries`` in the layer stats) while the cache holds every tier
+(``entries``). Cost note: pre-RoPE storage re-rotates every attended key each step (a table lookup and one
+elementwise pass, next to the attention itself); ``key_storage="post_rope"`` avoids it without compensation.
 """
 
 from __future__ import annotations
@@ -99,6 +106,9 @@ class DKCache(Method):
 
     evicts = True  # per-step attention sees a subset; retrieve=never drops the far tier
     needs_positions = True
+    # Prompts beyond the trained range are attended at remapped positions, and whether a prompt is beyond it
+    # is not known when the evaluation decides whether to replay a shared exact prefill: always a real one.
+    exact_prefill = False
     test_options = {"core": 4, "steady": 16, "page": 8, "pages": 2, "sinks": 2, "far_dtype": "int8"}
     invalid_options = (
         ({"alpha": 0.6}, "alpha"), ({"profile": "poetry"}, "profile"), ({"decouple_values": True}, "decouple_values"),
@@ -234,11 +244,21 @@ def group_size(length: int, window: int, trained: int) -> int:
 
 
 def remapped_distance(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
-                      group: int | torch.Tensor) -> torch.Tensor:
-    """Relative position attention uses for each (query, key) pair under angle compensation (broadcasting)."""
+                      group: int | torch.Tensor, trained: int | None = None) -> torch.Tensor:
+    """Relative position attention uses for each (query, key) pair under angle compensation (broadcasting).
+
+    Exact for neighbours (distance < ``window``) and for queries inside the trained range (position <
+    ``trained``: every distance they see was trained), grouped otherwise."""
     exact = query_positions - key_positions
     grouped = (query_positions // group + window - window // group) - key_positions // group
-    return torch.where(exact < window, exact, grouped)
+    return torch.where(is_near(query_positions, key_positions, window, trained), exact, grouped)
+
+
+def is_near(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
+            trained: int | None = None) -> torch.Tensor:
+    """Pairs that keep exact RoPE positions: distance < ``window``, or a query inside the trained range."""
+    near = query_positions - key_positions < window
+    return near if trained is None else near | (query_positions < trained)
 
 
 def grouped_query_positions(positions: torch.Tensor, groups: torch.Tensor, window: int) -> torch.Tensor:
@@ -274,23 +294,29 @@ def far_device(device: torch.device, offload: bool) -> torch.device:
 
 def remapped_attention(q_exact: torch.Tensor, q_grouped: torch.Tensor | None, k_exact: torch.Tensor,
                        k_grouped: torch.Tensor | None, values: torch.Tensor, visible: torch.Tensor,
-                       near: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       near: torch.Tensor | None, scaling: float,
+                       exact_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query attention whose near pairs use exact RoPE positions and the others grouped ones.
 
     ``q_*: [B, Hq, n, D]``, ``k_*, values: [B, H, T, D]``, ``visible, near: [B, H or 1, n, T]`` bool (``near``
-    True: use ``q_exact·k_exact``, else ``q_grouped·k_grouped``; ``None``: exact only). Returns the output
+    True: use ``q_exact·k_exact``, else ``q_grouped·k_grouped``; ``None``: exact only). ``exact_from``: no
+    key before it is near any query (its exact logits are not computed). Returns the output
     ``[B, n, Hq, D]`` and ``[B]``: the last query's attention entropy / log(entries it sees), mean over heads.
     """
     b, hq, n, d = q_exact.shape
     h, t = k_exact.shape[1], k_exact.shape[2]
     groups = hq // h
 
-    def logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # [B, H, groups, n, T]
-        return (q.reshape(b, h, groups * n, d) @ k.to(q.dtype).transpose(-1, -2)).view(b, h, groups, n, t)
+    def logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # [B, H, groups, n, T']
+        return (q.reshape(b, h, groups * n, d) @ k.to(q.dtype).transpose(-1, -2)).view(b, h, groups, n, -1)
 
-    scores = logits(q_exact, k_exact)
     if q_grouped is not None and k_grouped is not None and near is not None:
-        scores = torch.where(near.unsqueeze(2), scores, logits(q_grouped, k_grouped))
+        scores = logits(q_grouped, k_grouped)
+        band = near[..., exact_from:].unsqueeze(2)
+        scores[..., exact_from:] = torch.where(band, logits(q_exact, k_exact[:, :, exact_from:]),
+                                               scores[..., exact_from:])
+    else:
+        scores = logits(q_exact, k_exact)
     seen = visible.unsqueeze(2)
     seen = seen | ~seen.any(-1, keepdim=True)  # a query that sees nothing (padding) sees all: never used
     probs = torch.softmax(scores.float().mul(scaling).masked_fill(~seen, float("-inf")), dim=-1)
@@ -721,6 +747,9 @@ class DKCacheLayer(CompressedLayer):
                                                           scaling)
             return out
         positions = step.positions
+        slots = torch.arange(positions.shape[1], device=self.device).view(1, -1)
+        pad = self.pad_count.view(-1, 1)  # type: ignore[union-attr]
+        contiguous = bool(((positions == slots - pad) | (slots < pad)).all())  # real tokens at slot - pad
         key_grouped = self.table.rotate(stored, positions // groups.view(-1, 1)) if self.table else None
         query_grouped = self._grouped_query(query, positions, groups)
         b, hq, n, _ = query.shape
@@ -729,10 +758,14 @@ class DKCacheLayer(CompressedLayer):
         for low in range(0, n, chunk):
             high = min(n, low + chunk)
             visible = self._prefill_visible(attention_mask, n, low, high)[..., :high]
-            near = (positions[:, low:high].unsqueeze(-1) - positions[:, :high].unsqueeze(1)).unsqueeze(1)
+            near = is_near(positions[:, low:high].unsqueeze(-1), positions[:, :high].unsqueeze(1), self.core_size,
+                           self.trained).unsqueeze(1)
+            # keys before low - core + 1 are far from every query of the chunk (positions grow with slots)
+            banded = contiguous and bool((positions[:, low:high] >= self.trained).all())
             out, self.last_entropy = remapped_attention(
                 query[:, :, low:high], query_grouped[:, :, low:high], key[:, :, :high], key_grouped[:, :, :high]
-                if key_grouped is not None else None, value[:, :, :high], visible, near < self.core_size, scaling)
+                if key_grouped is not None else None, value[:, :, :high], visible, near, scaling,
+                exact_from=max(0, low - self.core_size + 1) if banded else 0)
             outputs.append(out)
         return torch.cat(outputs, dim=1)
 
@@ -776,7 +809,8 @@ class DKCacheLayer(CompressedLayer):
         visible = visible_mask(attention_mask, slots.to(torch.int32), first, q_len) & ok.unsqueeze(2)
         near = None
         if groups is not None:
-            near = (step.positions.view(self.rows, 1, q_len, 1) - positions.unsqueeze(2)) < self.core_size
+            near = is_near(step.positions.view(self.rows, 1, q_len, 1), positions.unsqueeze(2), self.core_size,
+                           self.trained)
         out, self.last_entropy = remapped_attention(query, query_grouped, keys_exact, keys_grouped, values,
                                                     visible, near, scaling)
         self.last_attended = visible[:, :, -1, :].sum(-1).float().mean(1)
