@@ -224,6 +224,23 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from kvweave.diagnostics import run_diagnostics
+    from kvweave.eval import tasks as task_lib
+
+    model, tokenizer = _load(args)
+    text = task_lib.load_corpus(args.corpus, data_dir=args.data)
+    result = run_diagnostics(model, tokenizer, text, args.lengths, methods=_split(args.methods or ""))
+    result["command"] = "kvweave " + " ".join(sys.argv[1:])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+        print(f"diagnostics: {args.out}", file=sys.stderr)
+    else:
+        print(json.dumps(result, indent=2, default=float))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- parser
 
 
@@ -320,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "summary": [...]}')
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("diagnose", help="DK-Cache's degradation signals vs context length",
+                       description="Measure the three signals DK-Cache argues from on a real model: key "
+                       "similarity/covariance vs token distance, next-token entropy vs context length, and RoPE "
+                       "phase range vs the trained range. Writes JSON (plot-ready series).")
+    model_args(p)
+    p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048, 4096], help="context lengths in tokens")
+    p.add_argument("--corpus", default="pydoc", help="text: pydoc (built in), code, or a --data corpus")
+    p.add_argument("--methods", help="also measure entropy through these caches (e.g. dkcache)")
+    p.add_argument("--data", help="data folder (or set KVWEAVE_DATA)")
+    p.add_argument("--out", help="write the JSON here instead of stdout")
+    p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("ppl", help="perplexity of long text with a compressed cache", epilog=EPILOG,
                        description="Per window of --window tokens, prefill (and compress) all but the last "
