@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,6 +96,7 @@ class DepthWeave(Method):
     recent: int = option(128, "newest tokens kept exact")
     block: int = option(64, "tokens folded into the factorization at a time while decoding")
     drift: float = option(1.5, "probe error / reference ratio that refreshes the basis while decoding")
+    weighting: float = option(0.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
     storage: str = option("auto", "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "
                           "(the model's if 16-bit, else float16), float16, bfloat16 or model")
 
@@ -138,6 +140,7 @@ class DepthWeave(Method):
         self.check_range("block", 1)
         self.check_range("drift", 1.0)
         self.check_choice("storage", ["auto", "float16", "bfloat16", "model"])
+        self.check_range("weighting", 0.0)
 
     @property
     def evicts(self) -> bool:  # type: ignore[override]
@@ -219,8 +222,11 @@ class DepthWeaveLayer(CompressedLayer):
         group = self.group
         if first == 0:  # prefill: exact attention, like every method; compression happens as the KV is stored
             self.pad_count = prompt_padding(attention_mask, q_len, self.rows, key.device)
-            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-            if self.method.router:
+            if getattr(self.cache, "replaying", False):  # shared-prefill replay: only the store matters
+                out = query.new_empty(0)
+            else:
+                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            if self.method.router or self.method.weighting > 0:
                 self.recent_score = observed_attention(query, key, self.pad_count, self.method.window, self.scaling)
         else:
             out = self.compressed_attention(query, attention_mask, first)
@@ -272,7 +278,8 @@ class DepthWeaveLayer(CompressedLayer):
         rotary = self.cache.rotary_for(self.layer_idx) if self.method.keys == "pre_rope" else None
         outs = []
         for b in range(query.shape[0]):
-            parts = stores[b].attention_parts(self.layer_idx, rotary) if b < len(stores) and stores[b] else []
+            store = stores[b] if b < len(stores) else None
+            parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
             parts.append(DensePart(self.recent_keys[b].float(), self.recent_values[b].float(),  # type: ignore[index]
                                    recent_slots))
             row_mask = None if mask is None else mask[b:b + 1]
@@ -596,7 +603,12 @@ class RowStore:
         plan = make_plan(chunk, novelty, method)
         factor = plan.index(HI, MID, LO)
         limit = chunk.x_k.shape[1] if chunk.x_k.shape[1] <= 2048 else 1024  # randomized SVD beyond 2048 columns
-        bases = {s: top_basis(x[factor], limit)[0] for s, x in (("k", chunk.x_k), ("v", chunk.x_v))}
+        weight = torch.ones(factor.numel(), device=chunk.x_k.device)
+        if method.weighting > 0:  # rows the prompt's end attends to count more in the basis
+            attention = chunk.attention[factor]
+            weight = weight + method.weighting * attention / attention.mean().clamp_min(1e-12)
+        rows = weight.sqrt().unsqueeze(1)
+        bases = {s: top_basis(x[factor] * rows, limit)[0] for s, x in (("k", chunk.x_k), ("v", chunk.x_v))}
         caps = {s: v.shape[1] for s, v in bases.items()}
         if method.probes and probe is not None:
             ranks = self.choose_ranks(chunk, plan, bases, probe, cos_sin, budget)
@@ -777,30 +789,9 @@ class RowStore:
                 if method.target_error is not None and errors[side][rank] <= method.target_error / 8:
                     break
         if method.target_error is not None:
-            best = None
-            for rk, ek in errors["k"].items():
-                for rv, ev in errors["v"].items():
-                    cost = side_bytes("k", rk) + side_bytes("v", rv)
-                    if ek + ev <= method.target_error and (best is None or cost < best[0]):
-                        best = (cost, rk, rv)
-            ranks = {"k": best[1], "v": best[2]} if best else {s: max(errors[s]) for s in ("k", "v")}
+            ranks = cheapest_meeting(errors, side_bytes, method.target_error)
         else:
-            best = None
-            for rk, ek in errors["k"].items():
-                for rv, ev in errors["v"].items():
-                    cost = side_bytes("k", rk) + side_bytes("v", rv)
-                    if (cost <= available or (rk, rv) == (1, 1)) and (best is None or ek + ev < best[0]):
-                        best = (ek + ev, rk, rv)
-            ranks = {"k": best[1], "v": best[2]}  # type: ignore[index]
-            # fill the budget one rank at a time, always on the side whose (interpolated) error is larger
-            while True:
-                options = [s for s in ("k", "v") if ranks[s] < caps[s]
-                           and side_bytes(s, ranks[s] + 1) + side_bytes(other_side(s), ranks[other_side(s)])
-                           <= available]
-                if not options:
-                    break
-                side = max(options, key=lambda s: interpolate(errors[s], ranks[s]))
-                ranks[side] += 1
+            ranks = best_within(errors, side_bytes, available, caps)
         self.log["probe_error_k"] = interpolate(errors["k"], ranks["k"])
         self.log["probe_error_v"] = interpolate(errors["v"], ranks["v"])
         return ranks
@@ -848,6 +839,41 @@ class RowStore:
 
 def other_side(side: str) -> str:
     return "v" if side == "k" else "k"
+
+
+def cheapest_meeting(errors: dict[str, dict[int, float]], cost: Callable[[str, int], int],
+                     target: float) -> dict[str, int]:
+    """The probed ``(r_K, r_V)`` of fewest bytes whose errors add up to at most ``target`` (else the largest)."""
+    best: tuple[int, int, int] | None = None
+    for rk, ek in errors["k"].items():
+        for rv, ev in errors["v"].items():
+            bytes_ = cost("k", rk) + cost("v", rv)
+            if ek + ev <= target and (best is None or bytes_ < best[0]):
+                best = (bytes_, rk, rv)
+    return {"k": best[1], "v": best[2]} if best else {s: max(errors[s]) for s in ("k", "v")}
+
+
+def best_within(errors: dict[str, dict[int, float]], cost: Callable[[str, int], int], available: float,
+                caps: dict[str, int]) -> dict[str, int]:
+    """The probed pair of least summed error inside ``available`` bytes, then filled one rank at a time.
+
+    The fill always grows the side whose (interpolated) error is larger, so the budget ends up used to within
+    one rank step: ``target_ratio`` lands close to its target.
+    """
+    best: tuple[float, int, int] | None = None
+    for rk, ek in errors["k"].items():
+        for rv, ev in errors["v"].items():
+            fits = cost("k", rk) + cost("v", rv) <= available or (rk, rv) == (1, 1)
+            if fits and (best is None or ek + ev < best[0]):
+                best = (ek + ev, rk, rv)
+    ranks = {"k": best[1], "v": best[2]} if best else {"k": 1, "v": 1}
+    while True:
+        grow = [s for s in ("k", "v") if ranks[s] < caps[s]
+                and cost(s, ranks[s] + 1) + cost(other_side(s), ranks[other_side(s)]) <= available]
+        if not grow:
+            return ranks
+        side = max(grow, key=lambda s: interpolate(errors[s], ranks[s]))
+        ranks[side] += 1
 
 
 def next_rank(rank: int, step: int) -> int:

@@ -1,0 +1,157 @@
+"""Low-rank and integer-storage helpers (DepthWeave-KV's bases, coefficients and residual rows).
+
+- :func:`top_basis`: the leading right singular vectors of a tall matrix ``x: [n, w]`` (token-side bases come
+  from ``x @ V``). For ``w`` up to 2048 it diagonalises the Gram ``xᵀx`` (``O(n·w²)``; several times faster on
+  CPU than an SVD of ``x``, and only the leading, well-separated directions matter); wider matrices use
+  randomized ``torch.svd_lowrank``.
+- :class:`Packed`: a ``[..., n, w]`` tensor stored at 16 bits (the storage dtype, no scales), INT8 or INT4
+  (two values per byte along ``w``), with symmetric scales either per column over groups of ``group`` rows
+  (token-side coordinates, coefficients) or per row (residual rows). Rows can be appended; only the partial
+  last row group is re-quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+SCALE_DTYPE = torch.float16
+_SCALE_MIN = 6.2e-5  # smallest normal float16: scales never become subnormal or zero
+
+
+def top_basis(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``V: [w, r]`` orthonormal leading right singular vectors of ``x: [n, w]`` and ``s: [r]`` (descending).
+
+    ``r = min(rank, n, w)``; float32.
+    """
+    n, w = x.shape
+    r = max(1, min(rank, n, w))
+    if w <= 2048:
+        x = x.float()
+        values, vectors = torch.linalg.eigh(x.T @ x)  # [w, w] Gram, ascending eigenvalues
+        values, vectors = values.flip(0)[:r], vectors.flip(1)[:, :r]
+        return vectors.contiguous(), values.clamp_min(0).sqrt()
+    u, s, v = torch.svd_lowrank(x.float(), q=min(r + 10, n, w), niter=3)
+    return v[:, :r].contiguous(), s[:r]
+
+
+def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis ``[w, k]`` of the column span of ``x: [w, c]`` (rank-revealing, drops null directions)."""
+    u, s, _ = torch.linalg.svd(x.double(), full_matrices=False)
+    keep = s > s.max().clamp_min(1e-30) * 1e-7
+    return u[:, keep].float()
+
+
+@dataclasses.dataclass
+class Packed:
+    """A ``[..., n, w]`` tensor at ``bits`` per element.
+
+    ``data``: the values (``bits=16``: storage dtype), int8 (``bits=8``) or uint8 holding two 4-bit values per
+    byte along ``w`` (``bits=4``). ``scale``: float16, ``[..., ceil(n / group), w]`` (per column over row groups)
+    or ``[..., n, 1]`` (``group=0``: per row); ``None`` at 16 bits.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    bits: int
+    width: int
+    group: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[-2])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The stored values as ``[..., n, w]`` in ``dtype``."""
+        if self.bits == 16:
+            return self.data.to(dtype)
+        values = _unpack4(self.data, self.width) if self.bits == 4 else self.data
+        scale = self.scale.to(dtype)  # type: ignore[union-attr]
+        if self.group > 0:
+            scale = scale.repeat_interleave(self.group, dim=-2)[..., : self.rows, :]
+        return values.to(dtype) * scale
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this object holds (for byte accounting)."""
+        return [self.data] if self.scale is None else [self.data, self.scale]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def logical_elements(self) -> int:
+        """Number of stored values (``n·w`` times leading dims): the unquantized size in elements."""
+        return math.prod(self.data.shape[:-1]) * self.width
+
+    def append_rows(self, x: torch.Tensor) -> Packed:
+        """A new :class:`Packed` with rows ``x: [..., m, w]`` added after the stored ones."""
+        if self.bits == 16 or self.group == 0:
+            new = pack(x, self.bits, self.group, self.data.dtype)
+            scale = None if self.scale is None else torch.cat([self.scale, new.scale], dim=-2)  # type: ignore[list-item]
+            return Packed(torch.cat([self.data, new.data], dim=-2), scale, self.bits, self.width, self.group)
+        keep = self.rows - self.rows % self.group  # rows in complete groups stay as they are
+        tail = self.dequantize()[..., keep:, :]
+        new = pack(torch.cat([tail, x.float()], dim=-2), self.bits, self.group, self.data.dtype)
+        scale = torch.cat([self.scale[..., : keep // self.group, :], new.scale], dim=-2)  # type: ignore[index,list-item]
+        return Packed(torch.cat([self.data[..., :keep, :], new.data], dim=-2), scale, self.bits, self.width,
+                      self.group)
+
+
+def pack(x: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> Packed:
+    """Store ``x: [..., n, w]`` at ``bits`` (16: as ``dtype``; 8/4: symmetric integers).
+
+    ``group > 0``: one scale per column for each ``group`` consecutive rows; ``group == 0``: one scale per row.
+    """
+    width = x.shape[-1]
+    if bits == 16:
+        return Packed(x.to(dtype).clone(memory_format=torch.contiguous_format), None, 16, width, group)
+    if bits not in (8, 4):
+        raise ValueError(f"bits={bits} is not supported; choose 16, 8 or 4")
+    levels = 127 if bits == 8 else 7
+    x = x.float()
+    if group > 0:
+        n = x.shape[-2]
+        pad = (-n) % group
+        amax = F.pad(x.abs(), (0, 0, 0, pad)).unflatten(-2, (-1, group)).amax(dim=-2)  # [..., ceil(n/g), w]
+    else:
+        amax = x.abs().amax(dim=-1, keepdim=True)  # [..., n, 1]
+    scale = (amax / levels).clamp_min(_SCALE_MIN).to(SCALE_DTYPE)
+    expanded = scale.float().repeat_interleave(group, dim=-2)[..., : x.shape[-2], :] if group > 0 else scale.float()
+    q = torch.round(x / expanded).clamp(-levels, levels)
+    data = q.to(torch.int8) if bits == 8 else _pack4(q)
+    return Packed(data.contiguous(), scale.contiguous(), bits, width, group)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """``x`` after a round trip through :func:`pack` at ``bits`` (identity at 16 bits)."""
+    if bits == 16:
+        return x
+    return pack(x, bits, group, x.dtype).dequantize(x.dtype)
+
+
+def packed_bytes(rows: int, width: int, bits: int, group: int, element_size: int) -> int:
+    """Bytes :func:`pack` would hold for a ``[rows, width]`` matrix (no leading dims)."""
+    if rows == 0 or width == 0:
+        return 0
+    if bits == 16:
+        return rows * width * element_size
+    data = rows * width if bits == 8 else rows * ((width + 1) // 2)
+    scales = (math.ceil(rows / group) * width if group > 0 else rows) * 2
+    return data + scales
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """Integers in [-7, 7] ``[..., w]`` -> uint8 ``[..., ceil(w/2)]`` (low nibble: even columns)."""
+    u = (q + 8).to(torch.uint8)
+    if u.shape[-1] % 2:
+        u = F.pad(u, (0, 1), value=8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def _unpack4(data: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`_pack4`: int16 values ``[..., width]``."""
+    low = (data & 15).to(torch.int16) - 8
+    high = (data >> 4).to(torch.int16) - 8
+    return torch.stack([low, high], dim=-1).flatten(-2)[..., :width]
