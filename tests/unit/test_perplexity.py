@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model
 
+from conftest import tiny_model
 from kvweave.eval.perplexity import summarize_perplexity, window_nll
 
 
