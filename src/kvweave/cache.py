@@ -407,12 +407,7 @@ class CompressedLayer(CacheLayerMixin):
         self.append(key, value, kwargs.get("position_ids"))
         self.seen += q_len
         if first == 0:
-            padding = self.padding(attention_mask)
-            self.pad_count = (
-                padding[:, 0].sum(-1)
-                if padding is not None
-                else torch.zeros(self.rows, dtype=torch.int64, device=self.device)
-            )
+            self.record_padding(attention_mask)
         keys, values = self.attention_keys_values(query)
         if self.cache.replaying:  # shared-prefill replay: the output is known already, only the store matters
             out = query.new_empty(0)
@@ -472,6 +467,15 @@ class CompressedLayer(CacheLayerMixin):
         last_row = mask[:, 0, -1, :]  # [B, N]: the last token sees every real token before it
         held = self.held_slots()[:, :1, :].to(torch.int64)
         return ~last_row.unsqueeze(1).gather(2, held.clamp(max=last_row.shape[-1] - 1))
+
+    def record_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """At prefill: count each row's left padding (``pad_count: [B]``) from the mask."""
+        padding = self.padding(attention_mask)
+        self.pad_count = (
+            padding[:, 0].sum(-1)
+            if padding is not None
+            else torch.zeros(self.rows, dtype=torch.int64, device=self.device)
+        )
 
     def padding_flags(self) -> torch.Tensor:
         """``[B, T]`` int 1 where a held entry (head 0) is a left-padding token."""

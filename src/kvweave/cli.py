@@ -77,6 +77,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_command(folder: Path) -> None:
+    """Write the command line that produced a run folder beside its results."""
+    (folder / "command.txt").write_text("kvweave " + " ".join(sys.argv[1:]) + "\n")
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     from kvweave.models import load_model
 
@@ -164,7 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "command.txt").write_text("kvweave " + " ".join(sys.argv[1:]) + "\n")
+        _write_command(out)
     rows = runner.run(config, out_dir=out, progress=not args.json)
     summary = runner.add_speed_ratios(runner.summarize(rows))
     if args.json:
@@ -215,7 +220,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "command.txt").write_text("kvweave " + " ".join(sys.argv[1:]) + "\n")
+        _write_command(out)
     rows = perplexity.run_perplexity(model, tokenizer, args.model, _split(args.methods), corpus=args.corpus,
                                      window=args.window, target=args.target, windows=args.windows,
                                      data_dir=args.data, out_dir=out)

@@ -78,9 +78,7 @@ class WindowLayer(CompressedLayer):
         self.append(key, value, kwargs.get("position_ids"))
         self.seen += q_len
         if first == 0:  # prefill: exact attention at the model's own positions
-            padding = self.padding(attention_mask)
-            self.pad_count = (padding[:, 0].sum(-1) if padding is not None
-                              else torch.zeros(self.rows, dtype=torch.int64, device=self.device))
+            self.record_padding(attention_mask)
             out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
         else:
             rotary = self.cache.rotary_for(self.layer_idx)
