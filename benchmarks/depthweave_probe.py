@@ -36,20 +36,25 @@ from kvweave._compat import cache_kwarg
 from kvweave.cache import parse_method
 from kvweave.rope import Rotary, find_rotary
 
-DEFAULT_SETTINGS = [
-    "depthweave:router=false,residuals=false,group=1",  # plain truncated SVD at 8x, per layer
-    "depthweave:router=false,residuals=false,group=4",  # plain truncated SVD at 8x, 4 layers share a base
+DEFAULT_SETTINGS = [  # the defaults, then one change at a time (the ablation table in depthweave's docstring)
+    "depthweave",
+    # plain truncated SVD per layer at 8x of the 64-dim heads
+    "depthweave:router=false,residuals=false,probes=false,rank=16,group=1,recent=0,bits=16,weighting=0",
     "depthweave:group=1",
     "depthweave:group=2",
     "depthweave:group=4",
-    "depthweave:group=8",
-    "depthweave:group=4,router=false",
-    "depthweave:group=4,residuals=false",
-    "depthweave:group=4,keys=post_rope",
-    "depthweave:group=4,bits=8",
-    "depthweave:group=4,bits=4",
-    "depthweave:group=4,bits=8,evict=0.5",
-    "depthweave:group=4,target_ratio=4",
+    "depthweave:router=true",
+    "depthweave:router=true,spread=1,residual_tokens=0.005,hi_tokens=0,lo_tokens=0",
+    "depthweave:router=true,evict=0.5",
+    "depthweave:residuals=false",
+    "depthweave:probes=false,rank=192",
+    "depthweave:keys=post_rope",
+    "depthweave:bits=8",
+    "depthweave:bits=16",
+    "depthweave:weighting=0",
+    "depthweave:recent=128",
+    "depthweave:target_ratio=4",
+    "depthweave:target_ratio=16",
 ]
 
 
@@ -71,8 +76,12 @@ def capture_queries(model: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], 
 
     layers = model.model.layers
     captured: dict[int, torch.Tensor] = {}
-    hooks = [layer.self_attn.q_proj.register_forward_hook(
-        lambda module, args, out, i=i: captured.__setitem__(i, out.detach())) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(
+            lambda module, args, out, i=i: captured.__setitem__(i, out.detach())
+        )
+        for i, layer in enumerate(layers)
+    ]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, **{cache_kwarg(model): cache})
@@ -88,7 +97,9 @@ def capture_queries(model: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], 
     return queries, cache
 
 
-def attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """``queries: [Hq, q, D]`` over ``keys, values: [H, n, D]`` (all visible) -> ``[Hq, q, D]``."""
     h = keys.shape[0]
     packed = queries.reshape(h, -1, queries.shape[-1])
@@ -117,12 +128,13 @@ def held_out_errors(cache: Any, reference: Any, queries: list[torch.Tensor], pro
     return errors
 
 
-def continuation_quality(model: Any, cache: Any, ids: torch.Tensor, prompt: int,
-                         full_logits: torch.Tensor) -> dict[str, float]:
+def continuation_quality(
+    model: Any, cache: Any, ids: torch.Tensor, prompt: int, full_logits: torch.Tensor
+) -> dict[str, float]:
     """NLL, KL vs full and top-1 agreement of the continuation fed through ``cache`` in one forward."""
     with torch.no_grad():
         logits = model(ids[:, prompt:], **{cache_kwarg(model): cache}).logits[0, :-1].float()
-    targets = ids[0, prompt + 1:]
+    targets = ids[0, prompt + 1 :]
     logp, ref = logits.log_softmax(-1), full_logits.log_softmax(-1)
     return {
         "nll": torch.nn.functional.nll_loss(logp, targets).item(),
@@ -132,8 +144,16 @@ def continuation_quality(model: Any, cache: Any, ids: torch.Tensor, prompt: int,
     }
 
 
-def run_setting(spec: str, model: Any, ids: torch.Tensor, prompt: int, reference: Any,
-                queries: list[torch.Tensor], full_logits: torch.Tensor, full_prefill_s: float) -> dict[str, Any]:
+def run_setting(
+    spec: str,
+    model: Any,
+    ids: torch.Tensor,
+    prompt: int,
+    reference: Any,
+    queries: list[torch.Tensor],
+    full_logits: torch.Tensor,
+    full_prefill_s: float,
+) -> dict[str, Any]:
     method = parse_method(spec)
     cache = kvweave.make_cache(method, model)
     start = time.perf_counter()
@@ -146,13 +166,23 @@ def run_setting(spec: str, model: Any, ids: torch.Tensor, prompt: int, reference
     for layer in stats["layers"]:
         if "group" not in layer or not layer.get("compressed"):
             continue
-        entry = groups.setdefault(layer["group"], {
-            "group": layer["group"], "layers": layer["group_layers"], "rank_k": layer["rank_k"],
-            "rank_v": layer["rank_v"], "probe_error": layer["probe_error"], "probe_error_k": layer["probe_error_k"],
-            "probe_error_v": layer["probe_error_v"], "tokens": layer["tokens"],
-            "compression": layer["group_compression"],
-            "compression_unquantized": layer["group_compression_unquantized"],
-            "bytes_by_part": layer["bytes_by_part"], "held_out_errors": []})
+        entry = groups.setdefault(
+            layer["group"],
+            {
+                "group": layer["group"],
+                "layers": layer["group_layers"],
+                "rank_k": layer["rank_k"],
+                "rank_v": layer["rank_v"],
+                "probe_error": layer["probe_error"],
+                "probe_error_k": layer["probe_error_k"],
+                "probe_error_v": layer["probe_error_v"],
+                "tokens": layer["tokens"],
+                "compression": layer["group_compression"],
+                "compression_unquantized": layer["group_compression_unquantized"],
+                "bytes_by_part": layer["bytes_by_part"],
+                "held_out_errors": [],
+            },
+        )
         if layer["layer"] in held_out:
             entry["held_out_errors"].append(held_out[layer["layer"]])
     share: dict[str, int] = {}
@@ -169,12 +199,22 @@ def run_setting(spec: str, model: Any, ids: torch.Tensor, prompt: int, reference
         return sum(values) / len(values) if values else None
 
     return {
-        "setting": spec, "method": method.spec(), "options": method.options(), "tokens": prompt,
-        "compression": stats["compression"], "bytes": stats["bytes"], "full_kv_bytes_16bit": stats["full_kv_bytes_16bit"],
-        "mean_probe_error": mean("probe_error"), "mean_held_out_error": mean("held_out_error"),
-        "mean_rank_k": mean("rank_k"), "mean_rank_v": mean("rank_v"),
-        "share": {part: size / total for part, size in share.items()}, "continuation": quality,
-        "prefill_s": prefill_s, "full_prefill_s": full_prefill_s, "groups": list(groups.values()),
+        "setting": spec,
+        "method": method.spec(),
+        "options": method.options(),
+        "tokens": prompt,
+        "compression": stats["compression"],
+        "bytes": stats["bytes"],
+        "full_kv_bytes_16bit": stats["full_kv_bytes_16bit"],
+        "mean_probe_error": mean("probe_error"),
+        "mean_held_out_error": mean("held_out_error"),
+        "mean_rank_k": mean("rank_k"),
+        "mean_rank_v": mean("rank_v"),
+        "share": {part: size / total for part, size in share.items()},
+        "continuation": quality,
+        "prefill_s": prefill_s,
+        "full_prefill_s": full_prefill_s,
+        "groups": list(groups.values()),
     }
 
 
@@ -193,8 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer = load(args.model)
-    text = Path(args.corpus).read_text(encoding="utf-8")[args.offset:]
-    ids = tokenizer(text[: args.tokens * 8], return_tensors="pt").input_ids[:, : args.tokens + args.continuation]
+    text = Path(args.corpus).read_text(encoding="utf-8")[args.offset :]
+    ids = tokenizer(text[: args.tokens * 8], return_tensors="pt").input_ids[
+        :, : args.tokens + args.continuation
+    ]
     prompt = ids.shape[1] - args.continuation
     queries, reference = capture_queries(model, ids)
     from transformers import DynamicCache
@@ -206,8 +248,13 @@ def main(argv: list[str] | None = None) -> None:
         full_prefill_s = time.perf_counter() - start
         full_logits = model(ids[:, prompt:], **{cache_kwarg(model): full}).logits[0, :-1].float()
     # the reference cache covers prompt + continuation; held-out errors only index the prompt's slots
-    environment = {"torch": torch.__version__, "python": platform.python_version(), "model": args.model,
-                   "corpus": Path(args.corpus).name, "threads": torch.get_num_threads()}
+    environment = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": args.model,
+        "corpus": Path(args.corpus).name,
+        "threads": torch.get_num_threads(),
+    }
     out = sys.stdout if args.out == "-" else open(args.out, "a", encoding="utf-8")  # noqa: SIM115
     try:
         for spec in args.settings:

@@ -39,7 +39,7 @@ def top_basis(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
-    """An orthonormal basis ``[w, k]`` of the column span of ``x: [w, c]`` (rank-revealing, drops null directions)."""
+    """An orthonormal basis ``[w, k]`` of the column span of ``x: [w, c]`` (null directions dropped)."""
     u, s, _ = torch.linalg.svd(x.double(), full_matrices=False)
     keep = s > s.max().clamp_min(1e-30) * 1e-7
     return u[:, keep].float()
@@ -50,7 +50,7 @@ class Packed:
     """A ``[..., n, w]`` tensor at ``bits`` per element.
 
     ``data``: the values (``bits=16``: storage dtype), int8 (``bits=8``) or uint8 holding two 4-bit values per
-    byte along ``w`` (``bits=4``). ``scale``: float16, ``[..., ceil(n / group), w]`` (per column over row groups)
+    byte along ``w`` (``bits=4``). ``scale``: float16, ``[..., ceil(n / group), w]`` (per column, row groups)
     or ``[..., n, 1]`` (``group=0``: per row); ``None`` at 16 bits.
     """
 
@@ -89,20 +89,23 @@ class Packed:
         """A new :class:`Packed` with rows ``x: [..., m, w]`` added after the stored ones."""
         if self.bits == 16 or self.group == 0:
             new = pack(x, self.bits, self.group, self.data.dtype)
-            scale = None if self.scale is None else torch.cat([self.scale, new.scale], dim=-2)  # type: ignore[list-item]
+            scales = None if self.scale is None else [self.scale, new.scale]
+            scale = None if scales is None else torch.cat(scales, dim=-2)  # type: ignore[arg-type]
             return Packed(torch.cat([self.data, new.data], dim=-2), scale, self.bits, self.width, self.group)
         keep = self.rows - self.rows % self.group  # rows in complete groups stay as they are
         tail = self.dequantize()[..., keep:, :]
         new = pack(torch.cat([tail, x.float()], dim=-2), self.bits, self.group, self.data.dtype)
-        scale = torch.cat([self.scale[..., : keep // self.group, :], new.scale], dim=-2)  # type: ignore[index,list-item]
-        return Packed(torch.cat([self.data[..., :keep, :], new.data], dim=-2), scale, self.bits, self.width,
-                      self.group)
+        kept_scale = self.scale[..., : keep // self.group, :]  # type: ignore[index]
+        scale = torch.cat([kept_scale, new.scale], dim=-2)  # type: ignore[list-item]
+        return Packed(
+            torch.cat([self.data[..., :keep, :], new.data], dim=-2), scale, self.bits, self.width, self.group
+        )
 
 
 def pack(x: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> Packed:
     """Store ``x: [..., n, w]`` at ``bits`` (16: as ``dtype``; 8/4: symmetric integers).
 
-    ``group > 0``: one scale per column for each ``group`` consecutive rows; ``group == 0``: one scale per row.
+    ``group > 0``: one scale per column for each ``group`` consecutive rows; ``group == 0``: one per row.
     """
     width = x.shape[-1]
     if bits == 16:
@@ -118,7 +121,9 @@ def pack(x: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> Packed:
     else:
         amax = x.abs().amax(dim=-1, keepdim=True)  # [..., n, 1]
     scale = (amax / levels).clamp_min(_SCALE_MIN).to(SCALE_DTYPE)
-    expanded = scale.float().repeat_interleave(group, dim=-2)[..., : x.shape[-2], :] if group > 0 else scale.float()
+    expanded = (
+        scale.float().repeat_interleave(group, dim=-2)[..., : x.shape[-2], :] if group > 0 else scale.float()
+    )
     q = torch.round(x / expanded).clamp(-levels, levels)
     data = q.to(torch.int8) if bits == 8 else _pack4(q)
     return Packed(data.contiguous(), scale.contiguous(), bits, width, group)

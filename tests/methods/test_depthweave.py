@@ -15,7 +15,8 @@ from kvweave._compat import cache_kwarg
 from kvweave.lowrank import pack, top_basis
 from kvweave.methods.depthweave import percentile
 
-SMALL = dict(recent=8, block=8, probe=8, window=8, sinks=2)
+# the full machinery at 16 bits (the method's defaults: router off, INT4 bases; tested separately)
+SMALL = dict(recent=8, block=8, probe=8, window=8, sinks=2, router=True, bits=16, weighting=0.0)
 EXACT_STORE = dict(router=False, residuals=False, probes=False, rank=4096, storage="model")  # full rank, fp32
 
 
@@ -89,11 +90,11 @@ def test_percentile_ties_share_lowest_rank():
 
 @pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
 def test_full_rank_without_residuals_equals_full_cache(model, keys):
-    """rank = full, router/residuals/probes off: logits equal DynamicCache within 1e-4 (fp32), also after folds."""
+    """rank = full, router/residuals/probes off: logits equal DynamicCache within 1e-4 (fp32), folds too."""
     ids = _ids(90, seed=3)
     kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref = model.generate(ids, **kwargs, **{cache_kwarg(model): DynamicCache(config=model.config)})
-    cache = kvweave.make_cache("depthweave", model, **SMALL, **EXACT_STORE, keys=keys, group=2)
+    cache = kvweave.make_cache("depthweave", model, **{**SMALL, **EXACT_STORE}, keys=keys, group=2)
     out = model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
     assert torch.equal(ref.sequences, out.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True)) <= 1e-4
@@ -121,13 +122,17 @@ def test_residual_rows_make_router_tokens_exact(model):
 def test_reconstruction_error_falls_as_rank_rises(model):
     ids = _ids(96)
     reference = _reference_kv(model, ids)
-    errors = [relative_kv_error(_prefill(model, ids, rank=r, probes=False, group=2), reference) for r in (2, 8, 32)]
+    errors = [
+        relative_kv_error(_prefill(model, ids, rank=r, probes=False, group=2), reference) for r in (2, 8, 32)
+    ]
     assert errors[0] > errors[1] > errors[2], errors
 
 
 def test_probe_error_decreases_with_rank(model):
     ids = _ids(96)
-    errors = [_summary(_prefill(model, ids, rank=r, probes=False, group=2))["probe_error"] for r in (1, 4, 16, 48)]
+    errors = [
+        _summary(_prefill(model, ids, rank=r, probes=False, group=2))["probe_error"] for r in (1, 4, 16, 48)
+    ]
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
 
 
@@ -166,7 +171,9 @@ def test_ablation_options_take_effect(model):
     assert default["tokens"]["hi"] > 0 and default["tokens"]["lo"] > 0 and default["tokens"]["exact"] > 0
 
     uniform = _summary(_prefill(model, ids, group=2, router=False))
-    assert uniform["tokens"]["hi"] == uniform["tokens"]["lo"] == 0 and uniform["tokens"]["exact"] == 2  # sinks
+    assert (
+        uniform["tokens"]["hi"] == uniform["tokens"]["lo"] == 0 and uniform["tokens"]["exact"] == 2
+    )  # sinks
 
     no_residuals = _summary(_prefill(model, ids, group=2, residuals=False))
     assert no_residuals["tokens"]["exact"] == 0 and no_residuals["bytes_by_part"]["exact_rows"] == 0
@@ -191,7 +198,9 @@ def test_ablation_options_take_effect(model):
 def test_group_shares_one_base_and_frees_exact_kv(model):
     ids = _ids(96)
     cache = _prefill(model, ids, group=2, rank=4, probes=False)
-    assert cache.layers[0].group is cache.layers[1].group and cache.layers[2].group is not cache.layers[0].group
+    assert (
+        cache.layers[0].group is cache.layers[1].group and cache.layers[2].group is not cache.layers[0].group
+    )
     assert all(layer.recent_count() == 8 for layer in cache.layers)  # only the recent buffer stays exact
     parts = _summary(cache)["bytes_by_part"]
     assert parts["coordinates"] > 0 and parts["coefficients"] > 0 and parts["indices"] > 0
@@ -215,7 +224,9 @@ def test_unusual_span_survives_without_token_ids(model):
     haystack = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12] * 12)
     needle = torch.tensor([101, 117, 133, 149])
     ids = torch.cat([haystack[:40], needle, haystack[40:]]).view(1, -1)
-    cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, residual_tokens=0.05, rank=2, probes=False)
+    cache = kvweave.make_cache(
+        "depthweave", model, **SMALL, group=2, residual_tokens=0.05, rank=2, probes=False
+    )
     with torch.no_grad():
         model(ids, **{cache_kwarg(model): cache})
     store = cache.layers[0].group.rows[0]
@@ -232,8 +243,9 @@ def test_unusual_span_survives_without_token_ids(model):
 def test_decoding_folds_blocks_at_the_compressed_rate(model):
     ids = _ids(64)
     cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, rank=4, probes=False)
-    out = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                         **{cache_kwarg(model): cache})
+    out = model.generate(
+        ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, **{cache_kwarg(model): cache}
+    )
     assert out.shape[1] == 104
     assert all(layer.recent_count() < 8 + 8 for layer in cache.layers)
     stats = _summary(cache)
@@ -247,8 +259,13 @@ def test_decode_probes_track_error(model):
     stats = _summary(cache)
     assert stats["last_fold_error"] is not None and stats["folds"] >= 3
     held = cache.layers[0].group.rows[0]
-    assert held.token_counts["mid"] + held.token_counts["hi"] + held.token_counts["lo"] + held.token_counts[
-        "exact"] == sum(s.slots.numel() for s in held.segments.values()) + held.exact_slots.numel()
+    assert (
+        held.token_counts["mid"]
+        + held.token_counts["hi"]
+        + held.token_counts["lo"]
+        + held.token_counts["exact"]
+        == sum(s.slots.numel() for s in held.segments.values()) + held.exact_slots.numel()
+    )
 
 
 def test_basis_refresh_lowers_error_of_what_is_held(model):
@@ -262,10 +279,21 @@ def test_basis_refresh_lowers_error_of_what_is_held(model):
         cache = _prefill(model, ids[:, :48], group=2, target_ratio=2.5, drift=drift)
         with torch.no_grad():
             for t in range(48, 100):  # teacher-forced decoding: both caches see the same tokens
-                model(ids[:, t:t + 1], **{cache_kwarg(model): cache})
+                model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
         errors.append(relative_kv_error(cache, reference))
         refreshes.append(_summary(cache)["refreshes"])
         sizes.append(cache.nbytes())
     assert refreshes[0] >= 1 and refreshes[1] == 0
     assert sizes[0] == sizes[1]
     assert errors[0] <= errors[1] * 1.02, errors
+
+
+def test_defaults_int4_uniform_rank_meet_target(model):
+    """The measured defaults (INT4 bases, uniform rank, sinks exact, attention-weighted basis) hit 8x."""
+    cache = kvweave.make_cache("depthweave", model, recent=8)
+    with torch.no_grad():
+        model(_ids(512), **{cache_kwarg(model): cache})
+    stats = _summary(cache)
+    assert stats["tokens"]["exact"] == 4 and stats["tokens"]["hi"] == stats["tokens"]["lo"] == 0
+    assert abs(cache.full_kv_bytes() / cache.nbytes() / 8 - 1) <= 0.15
+    assert stats["group_compression_unquantized"] < stats["group_compression"]

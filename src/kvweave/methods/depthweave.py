@@ -1,44 +1,69 @@
-"""``depthweave``: DepthWeave-KV, token-adaptive cross-layer residual factorization (seed ``002_*.txt``, §2–3).
+"""``depthweave``: DepthWeave-KV, token-adaptive cross-layer residual factorization (seed ``002_*.txt``).
 
 What it stores, for each group of ``group`` adjacent full-attention layers and each of K and V separately::
 
     X = [X_l1 | ... | X_lG]            [n, G·H·D]   keys pre-RoPE (de-rotated) by default, or post-RoPE
-    X ≈ C · R,  R = [R_l1 | ... | R_lG]               C: [n, r] token-side base ("B" in the seed), R_l: [r, H·D]
+    X ≈ C · R,  R = [R_l1 | ... | R_lG]        C: [n, r] token-side base ("B" in the seed), R_l: [r, H·D]
 
 - ``R`` comes from a truncated SVD of the group's prefill KV (``lowrank.top_basis``), computed when the
   group's last layer has stored its KV ("compress on group complete"); that group's exact KV is then freed.
-- A calibration-free router scores tokens from the attention the last prompt queries pay them (max-pooled
-  over neighbours, SnapKV-style), the novelty of their KV (energy left after a provisional low-rank
-  projection: unusual tokens such as numbers, UUIDs and names are what a shared basis represents worst) and,
-  when the caller fills ``cache.shared["token_ids"]`` (and optionally ``cache.shared["tokenizer"]``) before
-  prefill, token content (in-prompt rarity, digits, capitalised tokens). The first ``sinks`` tokens always
-  rank first. Each signal is turned into a percentile and a token takes its best one, so a token wins by
-  any single signal (a needle does not need attention from the prompt's end to be kept).
-- Router buckets, ragged (each bucket is its own ``[n_b, w_b]`` coordinate tensor, no zero padding):
-  top ``residual_tokens`` -> exact residual rows (``E_l = K_l - C·R_l`` with an empty base row, i.e. the exact
-  post-RoPE rows, 16-bit or INT8), next ``hi_tokens`` -> width ``r·spread``, ``lo_tokens`` -> ``r/spread``,
-  the rest -> ``r``; optionally the lowest ``evict`` fraction is dropped. Exact-row tokens are left out of
-  the SVD: sink tokens have outlier keys/values that would otherwise spend the basis on themselves.
-- Rank: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
-  exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row, either for
-  ``target_error`` or for the best error inside the byte budget of ``target_ratio`` (bytes of everything the
-  group holds, including the recent buffer, exact rows and indices, against a 16-bit full cache).
-- Decoding: new tokens stay exact in a recent buffer; once it holds ``recent + block`` tokens the oldest are
-  folded into the factorization (projected onto the basis). The current queries probe the folded chunk; an
-  error above ``drift`` x the group's reference refreshes the basis (new top-r directions of the old
-  reconstruction plus the new chunk; old coordinates are re-expressed, never recomputed from exact KV).
-  With ``target_error`` the probe also raises or lowers the rank of later chunks.
-- Attention never materialises values: ``P·V ≈ (P·C_v)·R_v`` per bucket. Keys post-RoPE use latent scores
-  ``q·(C R_k)ᵀ = (q R_kᵀ) Cᵀ``; keys pre-RoPE must be reconstructed (the RoPE rotation depends on the token
-  and does not commute with a token-side base), so one layer's compressed keys exist transiently during its
-  attention step (the same size as that layer's exact keys, never all layers at once).
-- ``bits=8|4`` stores the token-side coordinates as integers with per-column scales over groups of 64 rows;
-  coefficients ``R`` (tiny, shared by every token) at 8 bits when ``bits < 16``.
+  Rows are weighted by the attention the prompt's last queries pay them (``weighting``).
+- Exact residual rows (``E_l = K_l - C·R_l`` with an empty base row, i.e. the exact post-RoPE rows, 16-bit or
+  INT8) always for the attention sinks; with ``router=True`` also for the router's top ``residual_tokens``.
+  Exact-row tokens are left out of the SVD: sink keys/values are outliers that would spend the basis.
+- ``router=True``: a calibration-free router scores tokens by the attention the last prompt queries pay them
+  (max-pooled over neighbours, SnapKV-style), the novelty of their KV (energy outside a provisional low-rank
+  basis: numbers, UUIDs, names and rare words are what a shared basis represents worst, whatever their
+  characters) and, when the caller fills ``cache.shared["token_ids"]`` (and ``cache.shared["tokenizer"]``)
+  before prefill, token content (in-prompt rarity, digits, capitalised tokens). Each signal becomes a
+  percentile and a token takes its best one, so one signal is enough (a needle needs no attention from the
+  prompt's end). Buckets are ragged, each its own ``[n_b, w_b]`` coordinate tensor (no zero padding):
+  top -> exact rows, next ``hi_tokens`` -> width ``r·spread``, ``lo_tokens`` -> ``r/spread``, rest -> ``r``;
+  the lowest ``evict`` fraction can be dropped (eviction, then factorize what is kept).
+- Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
+  exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
+  pair meeting ``target_error``, or the best pair inside the byte budget of ``target_ratio`` (everything the
+  group holds, recent buffer, exact rows and indices included, against a 16-bit full cache of the group).
+- Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
+  (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
+  group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
+  old coordinates are re-expressed, never recomputed from exact KV). With ``target_error`` the probe also
+  raises or lowers the rank of later chunks. Memory per token stays at the compressed rate.
+- Attention never materialises values: ``P·V ≈ (P·C_v)·R_v`` per bucket. Post-RoPE keys use latent scores
+  ``q·(C R_k)ᵀ = (q R_kᵀ)·Cᵀ``; pre-RoPE keys must be reconstructed (the rotation depends on the token and
+  does not commute with a token-side base), so one layer's compressed keys exist transiently during its
+  attention step (the size of that layer's exact keys; never all layers at once). Post-RoPE keys trade
+  quality (below) for that.
+- ``bits=8|4`` stores the token-side coordinates as integers, scales per column over groups of 64 rows;
+  coefficients ``R`` (shared by every token) at 8 bits. 16-bit storage is float16 for float32 models.
 
-What the project measured before building it (qwen2.5-coder-0.5b, plain truncated SVD, pre-RoPE keys): mean
-relative attention-output error at 8x is 56 % (G=1), 50 % (G=2), 43 % (G=4), 24 % at 4x (G=4): shared
-bases alone are far from lossless; the router, exact rows, probe-chosen ranks and quantization carry the rest.
-``benchmarks/depthweave_probe.py`` measures each part; its numbers chose the defaults (see the README).
+Measured (``benchmarks/depthweave_probe.py``; qwen2.5-coder-0.5b, 2 KV heads x 64, 24 layers; 2048 tokens of
+wikitext-2 valid; "held-out": relative attention-output error of the next 128 tokens' queries over the
+compressed tokens, exact vs stored, mean over layers; "KL": next-token KL of those 128 tokens vs the full
+cache; every row 8.0x against a 16-bit full cache unless noted):
+
+    setting                                                      held-out error   KL      top-1
+    plain truncated SVD, G=1 r=16 (no recent, 16-bit; 6.7x)        71%            0.89    56%
+    plain truncated SVD, G=4 r=64 (no recent, 16-bit; 6.2x)        67%            0.42    71%
+    defaults: G=8, INT4, recent=32, uniform rank, sinks exact        16%            0.033   91%
+      group=1 / 2 / 4                                                27 / 21 / 18%  0.10 / 0.043 / 0.042
+      bits=16 / 8                                                    26 / 16%       0.17 / 0.038
+      recent=128 (half the bytes go to the recent buffer at 2K)      20%            0.076
+      residuals=False (sinks factorized too)                         27%            0.078
+      router=True (buckets 2r/r/r/2 for 20/50/30%, 2% exact rows)    19%            0.068
+      router=True, 0.5% exact rows only (spread=1, no buckets)       16%            0.039
+      router=True, evict=0.5                                         26%            0.15
+      keys=post_rope                                                 20%            0.047
+      weighting=0                                                    17%            0.036
+      probes=False, rank=192 (8.6x)                                  16%            0.037
+      target_ratio=4 / 16                                            13 / 25%       0.024 / 0.12
+
+What carries the quality: exact sinks, INT4 coordinates (4x the rank for the bytes), a small recent buffer and
+larger groups. The router's buckets and 2% exact rows lose at 2K tokens: a high bucket adds coefficient rows
+(at n = 2K a basis row costs as much as a coordinate column) and 16-bit exact rows are 8x the price of a
+factorized token; so ``router`` is off by default (it may pay on long contexts and needle tasks: measure
+with ``kvweave eval``). Passkey at 4K tokens, 7.7x: 5/5 depths with router on, off and without exact rows.
+The prefill probe error (queries the router also saw) is within ~10% of the held-out error.
 """
 
 from __future__ import annotations
@@ -62,8 +87,34 @@ if TYPE_CHECKING:
     from kvweave.rope import Rotary
 
 SHARED_KEY = "depthweave"
-RANK_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
-             4096, 6144, 8192)
+RANK_GRID = (
+    1,
+    2,
+    3,
+    4,
+    6,
+    8,
+    12,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+)
 COORD_GROUP = 64  # rows sharing one scale per column in quantized token-side coordinates
 POOL = 5  # router: attention max-pooled over 5 neighbouring tokens so spans survive whole (SnapKV)
 HI, MID, LO, EVICTED, EXACT = 0, 1, 2, 3, 4  # token kinds in a plan
@@ -72,45 +123,80 @@ HI, MID, LO, EVICTED, EXACT = 0, 1, 2, 3, 4  # token kinds in a plan
 @register("depthweave")
 @dataclasses.dataclass
 class DepthWeave(Method):
-    """DepthWeave-KV: cross-layer shared token bases, token-adaptive ranks, exact residual rows, probe-chosen rank."""
+    """DepthWeave-KV: cross-layer shared token bases, token-adaptive ranks, exact rows, probe-chosen ranks."""
 
-    group: int = option(4, "adjacent full-attention layers sharing one token-side base (1, 2, 4 or 8)")
-    keys: str = option("pre_rope", "factorize keys pre_rope (de-rotated) or post_rope (latent scores, no rotation)")
-    target_ratio: float | None = option(8.0, "compression vs a 16-bit full cache each group aims for at prefill")
+    group: int = option(8, "adjacent full-attention layers sharing one token-side base (1, 2, 4 or 8)")
+    keys: str = option(
+        "pre_rope", "factorize keys pre_rope (de-rotated) or post_rope (latent scores, no rotation)"
+    )
+    target_ratio: float | None = option(
+        8.0, "compression vs a 16-bit full cache each group aims for at prefill"
+    )
     target_error: float | None = option(
-        None, "relative attention-output probe error each group aims for (when set, target_ratio is ignored)")
-    rank: int = option(32, "base rank when probes=False (and the provisional rank of the router's novelty signal)")
+        None, "relative attention-output probe error each group aims for (when set, target_ratio is ignored)"
+    )
+    rank: int = option(
+        32, "base rank when probes=False (and the provisional rank of the router's novelty signal)"
+    )
     probes: bool = option(True, "choose ranks with attention-output probes (False: the fixed rank)")
     probe: int = option(16, "last prompt queries used as probes")
-    router: bool = option(True, "token-adaptive buckets, exact rows and eviction (False: uniform rank, sinks exact)")
+    router: bool = option(
+        False, "token-adaptive buckets, exact rows and eviction (False: uniform rank, sinks exact)"
+    )
     window: int = option(32, "last prompt queries whose attention the router reads")
     sinks: int = option(4, "first tokens kept exact (attention sinks)")
     residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)")
     residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows")
-    residual_bits: int = option(16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)")
+    residual_bits: int = option(
+        16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
+    )
     hi_tokens: float = option(0.2, "fraction of factorized tokens in the high-rank bucket (rank·spread)")
     lo_tokens: float = option(0.3, "fraction of factorized tokens in the low-rank bucket (rank/spread)")
     spread: float = option(2.0, "rank ratio between buckets: r_hi = r·spread, r_lo = r/spread")
     evict: float = option(0.0, "fraction of tokens dropped, lowest router score first (0: none)")
-    bits: int = option(16, "bits of the token-side bases: 16, 8 or 4 (coefficients at 8 when below 16)")
-    recent: int = option(128, "newest tokens kept exact")
+    bits: int = option(4, "bits of the token-side bases: 16, 8 or 4 (coefficients at 8 when below 16)")
+    recent: int = option(32, "newest tokens kept exact")
     block: int = option(64, "tokens folded into the factorization at a time while decoding")
     drift: float = option(1.5, "probe error / reference ratio that refreshes the basis while decoding")
-    weighting: float = option(0.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
-    storage: str = option("auto", "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "
-                          "(the model's if 16-bit, else float16), float16, bfloat16 or model")
+    weighting: float = option(1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
+    storage: str = option(
+        "auto",
+        "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "
+        "(the model's if 16-bit, else float16), float16, bfloat16 or model",
+    )
 
     needs_positions = True
     cross_layer = True
-    test_options = {"recent": 8, "block": 8, "group": 2, "target_ratio": 3.0, "probe": 4, "window": 8, "sinks": 2}
+    test_options = {
+        "recent": 8,
+        "block": 8,
+        "group": 2,
+        "target_ratio": 3.0,
+        "probe": 4,
+        "window": 8,
+        "sinks": 2,
+    }
     invalid_options = (
-        ({"group": 3}, "group"), ({"keys": "middle"}, "keys"), ({"target_ratio": 0.5}, "target_ratio"),
-        ({"target_error": 0.0}, "target_error"), ({"rank": 0}, "rank"), ({"probe": 0}, "probe"),
-        ({"window": 0}, "window"), ({"sinks": -1}, "sinks"), ({"residual_tokens": 1.5}, "residual_tokens"),
-        ({"residual_bits": 4}, "residual_bits"), ({"hi_tokens": -0.1}, "hi_tokens"),
-        ({"hi_tokens": 0.7, "lo_tokens": 0.5}, "lo_tokens"), ({"spread": 0.5}, "spread"), ({"evict": 1.0}, "evict"),
-        ({"evict": 0.5, "router": False}, "evict"), ({"bits": 5}, "bits"), ({"recent": -1}, "recent"),
-        ({"block": 0}, "block"), ({"drift": 0.9}, "drift"), ({"storage": "int8"}, "storage"),
+        ({"group": 3}, "group"),
+        ({"keys": "middle"}, "keys"),
+        ({"target_ratio": 0.5}, "target_ratio"),
+        ({"target_error": 0.0}, "target_error"),
+        ({"rank": 0}, "rank"),
+        ({"probe": 0}, "probe"),
+        ({"window": 0}, "window"),
+        ({"sinks": -1}, "sinks"),
+        ({"residual_tokens": 1.5}, "residual_tokens"),
+        ({"residual_bits": 4}, "residual_bits"),
+        ({"hi_tokens": -0.1}, "hi_tokens"),
+        ({"hi_tokens": 0.7, "lo_tokens": 0.5}, "lo_tokens"),
+        ({"spread": 0.5}, "spread"),
+        ({"evict": 1.0}, "evict"),
+        ({"evict": 0.5, "router": False}, "evict"),
+        ({"bits": 5}, "bits"),
+        ({"recent": -1}, "recent"),
+        ({"block": 0}, "block"),
+        ({"drift": 0.9}, "drift"),
+        ({"storage": "int8"}, "storage"),
     )
 
     def __post_init__(self) -> None:
@@ -133,8 +219,10 @@ class DepthWeave(Method):
         self.check_range("spread", 1.0, 64.0)
         self.check_range("evict", 0.0, 0.99)
         if self.evict > 0 and not self.router:
-            raise ValueError(f"{self.name}: option evict={self.evict!r} needs router=True (eviction follows router "
-                             "scores); allowed with router=False: 0")
+            raise ValueError(
+                f"{self.name}: option evict={self.evict!r} needs router=True (eviction follows router "
+                "scores); allowed with router=False: 0"
+            )
         self.check_choice("bits", [16, 8, 4])
         self.check_range("recent", 0)
         self.check_range("block", 1)
@@ -143,12 +231,8 @@ class DepthWeave(Method):
         self.check_range("weighting", 0.0)
 
     @property
-    def evicts(self) -> bool:  # type: ignore[override]
-        return self.evict > 0
-
-    @property
     def coefficient_bits(self) -> int:
-        """Bits of the per-layer coefficients ``R_l`` (never below 8: every token of the group shares them)."""
+        """Bits of the per-layer coefficients ``R_l`` (never below 8: every token of the group uses them)."""
         return 16 if self.bits == 16 else 8
 
     def bucket_widths(self, rank: int, cap: int) -> tuple[int, int, int]:
@@ -156,7 +240,11 @@ class DepthWeave(Method):
         mid = max(1, min(rank, cap))
         if not self.router:
             return mid, mid, mid
-        return min(cap, max(mid, math.ceil(rank * self.spread))), mid, max(1, min(mid, int(rank / self.spread)))
+        return (
+            min(cap, max(mid, math.ceil(rank * self.spread))),
+            mid,
+            max(1, min(mid, int(rank / self.spread))),
+        )
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of everything stored at 16 bits (``model``: the model's own, also when it is float32)."""
@@ -172,7 +260,7 @@ class DepthWeave(Method):
 
 
 class DepthWeaveLayer(CompressedLayer):
-    """One full-attention layer: an exact recent buffer; older tokens live in its group's :class:`RowStore`s."""
+    """One full-attention layer: an exact recent buffer; older tokens live in its group's row stores."""
 
     def __init__(self, cache: KVCache, layer_idx: int, method: DepthWeave) -> None:
         super().__init__(cache, layer_idx)
@@ -194,7 +282,7 @@ class DepthWeaveLayer(CompressedLayer):
         index = layers.index(self.layer_idx) // self.method.group
         found = state["groups"].get(index)
         if found is None:
-            members = layers[index * self.method.group:(index + 1) * self.method.group]
+            members = layers[index * self.method.group : (index + 1) * self.method.group]
             found = state["groups"][index] = WeaveGroup(self.cache, self.method, members, index)
         return found  # type: ignore[no-any-return]
 
@@ -209,8 +297,15 @@ class DepthWeaveLayer(CompressedLayer):
             group.select_rows(rows)
 
     # -- attention step
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """``query: [B, Hq, q, D]``, ``key, value: [B, H, q, D]`` (post-RoPE) -> ``[B, q, Hq, D]``."""
         first, q_len = self.seen, key.shape[2]
         self.scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
@@ -227,14 +322,18 @@ class DepthWeaveLayer(CompressedLayer):
             else:
                 out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
             if self.method.router or self.method.weighting > 0:
-                self.recent_score = observed_attention(query, key, self.pad_count, self.method.window, self.scaling)
+                self.recent_score = observed_attention(
+                    query, key, self.pad_count, self.method.window, self.scaling
+                )
         else:
             out = self.compressed_attention(query, attention_mask, first)
         count = group.fold_count(self, first)
         if count > 0 and (self.method.probes or first == 0):  # prefill probes also measure fixed ranks
             keep = min(self.method.probe, q_len)
-            self.stash = {"query": query[:, :, -keep:].clone(),
-                          "query_slots": torch.arange(first + q_len - keep, first + q_len, device=key.device)}
+            self.stash = {
+                "query": query[:, :, -keep:].clone(),
+                "query_slots": torch.arange(first + q_len - keep, first + q_len, device=key.device),
+            }
         if count > 0 and self.layer_idx == group.members[-1]:
             group.fold(count, first)
         return out  # type: ignore[no-any-return]
@@ -245,8 +344,10 @@ class DepthWeaveLayer(CompressedLayer):
         dtype = self.method.storage_dtype(key.dtype)
         key, value = key.to(dtype), value.to(dtype)
         if dtype != self.dtype and not (torch.isfinite(key).all() and torch.isfinite(value).all()):
-            raise ValueError(f"{self.method.name}: keys/values overflow storage dtype {dtype} in layer "
-                             f"{self.layer_idx}; use storage=bfloat16 or storage=model")
+            raise ValueError(
+                f"{self.method.name}: keys/values overflow storage dtype {dtype} in layer "
+                f"{self.layer_idx}; use storage=bfloat16 or storage=model"
+            )
         score = torch.zeros(key.shape[0], key.shape[2], dtype=torch.float32, device=key.device)
         if self.recent_keys is None:
             self.recent_keys, self.recent_values = key, value
@@ -254,7 +355,7 @@ class DepthWeaveLayer(CompressedLayer):
             return
         self.recent_keys = torch.cat([self.recent_keys, key], dim=2)
         self.recent_values = torch.cat([self.recent_values, value], dim=2)  # type: ignore[list-item]
-        self.recent_positions = torch.cat([self.recent_positions, positions], dim=1)  # type: ignore[list-item]
+        self.recent_positions = torch.cat([self.recent_positions, positions], 1)  # type: ignore[list-item]
         self.recent_score = torch.cat([self.recent_score, score], dim=1)  # type: ignore[list-item]
 
     def drop_recent(self, count: int) -> None:
@@ -268,8 +369,9 @@ class DepthWeaveLayer(CompressedLayer):
     def recent_count(self) -> int:
         return 0 if self.recent_keys is None else int(self.recent_keys.shape[2])
 
-    def compressed_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
-                             first: int) -> torch.Tensor:
+    def compressed_attention(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int
+    ) -> torch.Tensor:
         """Attention of the new queries over the group's stores + the recent buffer, row by row."""
         mask = mask_to_bool(attention_mask)
         m = self.recent_count()
@@ -280,16 +382,17 @@ class DepthWeaveLayer(CompressedLayer):
         for b in range(query.shape[0]):
             store = stores[b] if b < len(stores) else None
             parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
-            parts.append(DensePart(self.recent_keys[b].float(), self.recent_values[b].float(),  # type: ignore[index]
-                                   recent_slots))
-            row_mask = None if mask is None else mask[b:b + 1]
+            keys, values = self.recent_keys[b], self.recent_values[b]  # type: ignore[index]
+            parts.append(DensePart(keys.float(), values.float(), recent_slots))
+            row_mask = None if mask is None else mask[b : b + 1]
             out, recent_attention = attend_parts(query[b].float(), parts, row_mask, first, self.scaling)
-            self.recent_score[b] = torch.maximum(self.recent_score[b], recent_attention)  # type: ignore[index]
+            score = self.recent_score[b]  # type: ignore[index]
+            self.recent_score[b] = torch.maximum(score, recent_attention)  # type: ignore[index]
             outs.append(out)
         return torch.stack(outs).to(query.dtype)
 
     def held_kv(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``keys, values: [H, N, D]`` float32 post-RoPE and ``slots: [N]``: everything row ``row`` attends to.
+        """``keys, values: [H, N, D]`` float32 post-RoPE and ``slots: [N]``: all that row ``row`` attends to.
 
         Materialises the whole layer (diagnostics and tests; attention itself never reconstructs values).
         """
@@ -310,8 +413,17 @@ class DepthWeaveLayer(CompressedLayer):
 
     # -- accounting
     def nbytes(self) -> int:
-        tensors: list[torch.Tensor] = [t for t in (self.recent_keys, self.recent_values, self.recent_positions,
-                                                   self.recent_score, self.pad_count) if t is not None]
+        tensors: list[torch.Tensor] = [
+            t
+            for t in (
+                self.recent_keys,
+                self.recent_values,
+                self.recent_positions,
+                self.recent_score,
+                self.pad_count,
+            )
+            if t is not None
+        ]
         tensors += list(self.stash.values())
         group = self.group
         for store in group.rows:
@@ -329,8 +441,13 @@ class DepthWeaveLayer(CompressedLayer):
 
     def layer_stats(self) -> dict[str, Any]:
         group = self.group
-        stats = {"entries": self.entries(), "recent": self.recent_count(), "group": group.index,
-                 "group_layers": list(group.members), "group_owner": self.layer_idx == group.members[-1]}
+        stats = {
+            "entries": self.entries(),
+            "recent": self.recent_count(),
+            "group": group.index,
+            "group_layers": list(group.members),
+            "group_owner": self.layer_idx == group.members[-1],
+        }
         stats.update(group.summary())
         return stats
 
@@ -369,32 +486,45 @@ class WeaveGroup:
         values = [layer.recent_values[:, :, :count] for layer in layers]  # type: ignore[index]
         rotary = self.cache.rotary_for(self.members[0]) if self.method.keys == "pre_rope" else None
         factor_keys = [rotary.unrotate(k.float(), positions) if rotary else k.float() for k in keys]
-        attention = torch.stack([layer.recent_score[:, :count] for layer in layers]).mean(0)  # type: ignore[index]
+        scores = [layer.recent_score[:, :count] for layer in layers]  # type: ignore[index]
+        attention = torch.stack(scores).mean(0)
         content = content_scores(self.cache.shared, slots, rows) if first == 0 else None
-        padding = slots.view(1, -1) < owner.pad_count.view(-1, 1)  # type: ignore[union-attr]
+        pad_count: torch.Tensor = owner.pad_count  # type: ignore[assignment]
+        padding = slots.view(1, -1) < pad_count.view(-1, 1)
         heads, dim = keys[0].shape[1], keys[0].shape[3]
-        full_16bit = len(layers) * 2 * heads * dim * 2 * owner.seen
+        per_token_16bit = len(layers) * 2 * heads * dim * 2  # a 16-bit full cache of this group, per token
         kept_recent = owner.recent_count() - count
-        recent_bytes = len(layers) * kept_recent * (2 * heads * dim * owner.recent_keys.element_size() + 8)  # type: ignore[union-attr]
+        element = owner.recent_keys.element_size()  # type: ignore[union-attr]
+        recent_bytes = len(layers) * kept_recent * (2 * heads * dim * element + 8)  # + position, score
         for b in range(rows):
             real = (~padding[b]).nonzero().squeeze(1)
             if real.numel() == 0:
                 continue
             chunk = Chunk(
-                slots=slots[real], positions=positions[b, real],
+                slots=slots[real],
+                positions=positions[b, real],
                 x_k=torch.cat([k[b][:, real].transpose(0, 1).flatten(1) for k in factor_keys], dim=1),
                 x_v=torch.cat([v[b][:, real].transpose(0, 1).flatten(1).float() for v in values], dim=1),
-                keys=[k[b][:, real] for k in keys], values=[v[b][:, real] for v in values],
-                attention=attention[b, real], content=None if content is None else content[b, real],
-                sink=(slots[real] - owner.pad_count[b]) < self.method.sinks if first == 0 else None,  # type: ignore[index]
+                keys=[k[b][:, real] for k in keys],
+                values=[v[b][:, real] for v in values],
+                attention=attention[b, real],
+                content=None if content is None else content[b, real],
+                sink=(slots[real] - pad_count[b]) < self.method.sinks if first == 0 else None,
             )
             probe = None
             if all("query" in layer.stash for layer in layers):
-                probe = Probe([layer.stash["query"][b].float() for layer in layers], layers[0].stash["query_slots"],
-                              chunk, [layer.scaling for layer in layers])
+                probe = Probe(
+                    [layer.stash["query"][b].float() for layer in layers],
+                    layers[0].stash["query_slots"],
+                    chunk,
+                    [layer.scaling for layer in layers],
+                )
             if self.rows[b] is None:
                 self.rows[b] = RowStore(self, heads, dim, self.method.storage_dtype(owner.dtype))
-            self.rows[b].add(chunk, probe, rotary, Budget(full_16bit, recent_bytes))  # type: ignore[union-attr]
+            # the budget counts the row's own tokens, so a padded row compresses as it would alone
+            real_tokens = owner.seen - int(pad_count[b])
+            budget = Budget(per_token_16bit * real_tokens, recent_bytes)
+            self.rows[b].add(chunk, probe, rotary, budget)  # type: ignore[union-attr]
         for layer in layers:
             layer.drop_recent(count)
 
@@ -421,12 +551,25 @@ class WeaveGroup:
                 parts[key] += held
                 parts_16bit[key] += unquantized
         for layer in layers:
-            recent = tensors_nbytes([t for t in (layer.recent_keys, layer.recent_values, layer.recent_positions,
-                                                 layer.recent_score) if t is not None])
+            recent = tensors_nbytes(
+                [
+                    t
+                    for t in (
+                        layer.recent_keys,
+                        layer.recent_values,
+                        layer.recent_positions,
+                        layer.recent_score,
+                    )
+                    if t is not None
+                ]
+            )
             parts["recent"] += recent
             parts_16bit["recent"] += recent
         owner = layers[-1]
-        full = 2 * owner.rows * owner.recent_keys.shape[1] * owner.recent_keys.shape[3] * 2 * owner.seen * len(layers)  # type: ignore[union-attr]
+        shape = owner.recent_keys.shape  # type: ignore[union-attr]
+        full = (
+            2 * owner.rows * shape[1] * shape[3] * 2 * owner.seen * len(layers)
+        )  # 16-bit full, [B, H, m, D]
         held, unquantized = sum(parts.values()), sum(parts_16bit.values())
         tokens: dict[str, int] = {}
         for store in stores:
@@ -438,19 +581,30 @@ class WeaveGroup:
             return sum(values) / len(values) if values else None
 
         return {
-            "compressed": True, "rank_k": mean("rank_k"), "rank_v": mean("rank_v"),
-            "basis_k": mean("basis_k"), "basis_v": mean("basis_v"), "probe_error": mean("probe_error"),
-            "probe_error_k": mean("probe_error_k"), "probe_error_v": mean("probe_error_v"),
-            "last_fold_error": mean("last_fold_error"), "folds": mean("folds"), "refreshes": mean("refreshes"),
-            "tokens": tokens, "group_bytes": held, "group_bytes_unquantized": unquantized, "bytes_by_part": parts,
-            "group_full_16bit": full, "group_compression": full / held if held else None,
+            "compressed": True,
+            "rank_k": mean("rank_k"),
+            "rank_v": mean("rank_v"),
+            "basis_k": mean("basis_k"),
+            "basis_v": mean("basis_v"),
+            "probe_error": mean("probe_error"),
+            "probe_error_k": mean("probe_error_k"),
+            "probe_error_v": mean("probe_error_v"),
+            "last_fold_error": mean("last_fold_error"),
+            "folds": mean("folds"),
+            "refreshes": mean("refreshes"),
+            "tokens": tokens,
+            "group_bytes": held,
+            "group_bytes_unquantized": unquantized,
+            "bytes_by_part": parts,
+            "group_full_16bit": full,
+            "group_compression": full / held if held else None,
             "group_compression_unquantized": full / unquantized if unquantized else None,
         }
 
 
 @dataclasses.dataclass
 class Budget:
-    """What a row may spend on a new factorization (``target_ratio``): the full 16-bit size and fixed costs."""
+    """What a row may spend on a new factorization (``target_ratio``): full 16-bit size, fixed costs."""
 
     full_16bit: int
     recent_bytes: int
@@ -535,8 +689,12 @@ class RowStore:
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
-        for packed in (self.basis["k"].get(layer), self.basis["v"].get(layer), self.exact_keys.get(layer),
-                       self.exact_values.get(layer)):
+        for packed in (
+            self.basis["k"].get(layer),
+            self.basis["v"].get(layer),
+            self.exact_keys.get(layer),
+            self.exact_values.get(layer),
+        ):
             if packed is not None:
                 tensors += packed.tensors()
         return tensors
@@ -550,16 +708,23 @@ class RowStore:
         coords = [p for s in self.segments.values() for p in (s.coords_k, s.coords_v)]
         coefs = [p for side in ("k", "v") for p in self.basis[side].values()]
         exact = list(self.exact_keys.values()) + list(self.exact_values.values())
-        indices = [t for s in self.segments.values() for t in ([s.slots] + ([s.positions] if s.positions is not None
-                                                                          else []))]
+        indices = [
+            t
+            for s in self.segments.values()
+            for t in ([s.slots] + ([s.positions] if s.positions is not None else []))
+        ]
         indices += [self.exact_slots] if self.exact_slots is not None else []
 
         def sizes(packs: list[Packed]) -> tuple[int, int]:
             return sum(p.nbytes() for p in packs), sum(2 * p.logical_elements() for p in packs)
 
         index_bytes = tensors_nbytes(indices)
-        return {"coordinates": sizes(coords), "coefficients": sizes(coefs), "exact_rows": sizes(exact),
-                "indices": (index_bytes, index_bytes)}
+        return {
+            "coordinates": sizes(coords),
+            "coefficients": sizes(coefs),
+            "exact_rows": sizes(exact),
+            "indices": (index_bytes, index_bytes),
+        }
 
     # -- attention
     def attention_parts(self, layer: int, rotary: Rotary | None) -> list[Any]:
@@ -577,17 +742,26 @@ class RowStore:
                 flat = r_k.flatten(1)
                 recon = torch.cat([c @ flat[: c.shape[1]] for c in coords_k]).view(-1, self.heads, self.dim)
                 positions = torch.cat([s.positions for s in segments]).long()  # type: ignore[misc]
-                keys = rotary.rotate(recon.transpose(0, 1).unsqueeze(0), positions.view(1, -1))[0]  # [H, N, D]
+                keys = rotary.rotate(recon.transpose(0, 1).unsqueeze(0), positions.view(1, -1))[
+                    0
+                ]  # [H, N, D]
             parts.append(FactorPart(coords_k, coords_v, r_k, r_v, slots, keys))
         if self.exact_slots is not None and self.exact_slots.numel():
-            parts.append(DensePart(self.exact_keys[layer].dequantize(), self.exact_values[layer].dequantize(),
-                                   self.exact_slots.long()))
+            parts.append(
+                DensePart(
+                    self.exact_keys[layer].dequantize(),
+                    self.exact_values[layer].dequantize(),
+                    self.exact_slots.long(),
+                )
+            )
         return parts
 
     # -- compression
     def add(self, chunk: Chunk, probe: Probe | None, rotary: Rotary | None, budget: Budget) -> None:
         """Fold ``chunk`` in: a first chunk creates the bases, later ones are projected onto them."""
-        cos_sin = rotary.cos_sin(chunk.positions.view(1, -1), chunk.x_k.device) if rotary is not None else None
+        cos_sin = (
+            rotary.cos_sin(chunk.positions.view(1, -1), chunk.x_k.device) if rotary is not None else None
+        )
         if not self.basis["k"]:
             self.initialize(chunk, probe, cos_sin, budget)
         else:
@@ -602,7 +776,9 @@ class RowStore:
             novelty = novelty_score(chunk, provisional["k"].T, provisional["v"].T)
         plan = make_plan(chunk, novelty, method)
         factor = plan.index(HI, MID, LO)
-        limit = chunk.x_k.shape[1] if chunk.x_k.shape[1] <= 2048 else 1024  # randomized SVD beyond 2048 columns
+        limit = (
+            chunk.x_k.shape[1] if chunk.x_k.shape[1] <= 2048 else 1024
+        )  # randomized SVD beyond 2048 columns
         weight = torch.ones(factor.numel(), device=chunk.x_k.device)
         if method.weighting > 0:  # rows the prompt's end attends to count more in the basis
             attention = chunk.attention[factor]
@@ -618,8 +794,9 @@ class RowStore:
             self.rank[side] = ranks[side]
             self.set_basis(side, bases[side][:, : method.bucket_widths(ranks[side], caps[side])[0]].T)
         self.store(chunk, plan)
-        self.log.update(rank_k=ranks["k"], rank_v=ranks["v"], basis_k=self.total_rank("k"),
-                        basis_v=self.total_rank("v"))
+        self.log.update(
+            rank_k=ranks["k"], rank_v=ranks["v"], basis_k=self.total_rank("k"), basis_v=self.total_rank("v")
+        )
         if probe is not None:
             keys, values = self.stored_chunk(chunk, plan, cos_sin)
             self.probe_reference = probe.error(keys, values, plan.kind != EVICTED)
@@ -642,6 +819,12 @@ class RowStore:
                     self.rank = {s: next_rank(r, +1) for s, r in self.rank.items()}
                 self.refresh(chunk, plan)
                 self.log["refreshes"] += 1
+                if method.target_error is None:
+                    # what the refreshed basis achieves is the new reference: a probe that reads high for
+                    # reasons a basis cannot fix (one query, a short chunk) must not refresh every fold, and
+                    # every refresh re-quantizes the old coordinates
+                    keys, values = self.stored_chunk(chunk, plan, cos_sin)
+                    self.probe_reference = max(reference, probe.error(keys, values, plan.kind != EVICTED))
             elif method.target_error is not None and error * method.drift < reference:
                 self.rank = {s: next_rank(r, -1) for s, r in self.rank.items()}
             self.log.update(rank_k=self.rank["k"], rank_v=self.rank["v"])
@@ -655,11 +838,11 @@ class RowStore:
         """Store ``R: [r, G·H·D]`` as per-layer coefficients ``R_l: [r, H·D]``."""
         bits = self.method.coefficient_bits
         for i, layer in enumerate(self.members):
-            block = r[:, i * self.width:(i + 1) * self.width]
+            block = r[:, i * self.width : (i + 1) * self.width]
             self.basis[side][layer] = pack(block, bits, max(block.shape[0], 1), self.dtype)
 
     def coordinates(self, side: str, x: torch.Tensor) -> torch.Tensor:
-        """Least-squares coordinates ``[n, r]`` of ``x: [n, G·H·D]`` in the stored (possibly quantized) basis."""
+        """Least-squares coordinates ``[n, r]`` of ``x: [n, G·H·D]`` in the stored (maybe quantized) basis."""
         return x @ torch.linalg.pinv(self.basis_matrix(side))
 
     def store(self, chunk: Chunk, plan: Plan) -> None:
@@ -678,8 +861,12 @@ class RowStore:
             positions = chunk.positions[index].to(torch.int32) if pre_rope else None
             segment = self.segments.get((wk, wv))
             if segment is None:
-                self.segments[(wk, wv)] = Segment(pack(ck, method.bits, COORD_GROUP, self.dtype),
-                                                  pack(cv, method.bits, COORD_GROUP, self.dtype), slots, positions)
+                self.segments[(wk, wv)] = Segment(
+                    pack(ck, method.bits, COORD_GROUP, self.dtype),
+                    pack(cv, method.bits, COORD_GROUP, self.dtype),
+                    slots,
+                    positions,
+                )
             else:
                 segment.coords_k = segment.coords_k.append_rows(ck)
                 segment.coords_v = segment.coords_v.append_rows(cv)
@@ -692,12 +879,17 @@ class RowStore:
             self.exact_slots = slots if self.exact_slots is None else torch.cat([self.exact_slots, slots])
             for layer, k, v in zip(self.members, chunk.keys, chunk.values, strict=True):
                 for target, x in ((self.exact_keys, k[:, exact]), (self.exact_values, v[:, exact])):
-                    target[layer] = (pack(x, method.residual_bits, 0, self.dtype) if layer not in target
-                                     else target[layer].append_rows(x))
+                    target[layer] = (
+                        pack(x, method.residual_bits, 0, self.dtype)
+                        if layer not in target
+                        else target[layer].append_rows(x)
+                    )
         for name, value in plan.counts().items():
             self.token_counts[name] += value
 
-    def stored_chunk(self, chunk: Chunk, plan: Plan, cos_sin: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def stored_chunk(
+        self, chunk: Chunk, plan: Plan, cos_sin: Any
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer ``[H, n, D]`` post-RoPE keys and values of ``chunk`` as they would be stored now."""
         method = self.method
         recon = {}
@@ -705,14 +897,22 @@ class RowStore:
             basis = self.basis_matrix(side)
             coords = x @ torch.linalg.pinv(basis)
             width = torch.zeros(chunk.size, dtype=torch.int64, device=x.device)
-            for kind, w in zip((HI, MID, LO), method.bucket_widths(self.rank[side], basis.shape[0]), strict=True):
+            for kind, w in zip(
+                (HI, MID, LO), method.bucket_widths(self.rank[side], basis.shape[0]), strict=True
+            ):
                 width[plan.kind == kind] = w
             coords = coords * (torch.arange(coords.shape[1], device=x.device) < width.unsqueeze(1))
             recon[side] = fake_quantize(coords, method.bits, COORD_GROUP) @ basis
         return self.assemble(chunk, plan, recon["k"], recon["v"], cos_sin)
 
-    def assemble(self, chunk: Chunk, plan: Plan, recon_k: torch.Tensor | None, recon_v: torch.Tensor | None,
-                 cos_sin: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def assemble(
+        self,
+        chunk: Chunk,
+        plan: Plan,
+        recon_k: torch.Tensor | None,
+        recon_v: torch.Tensor | None,
+        cos_sin: Any,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Exact rows as stored, factorized rows from ``recon_*: [n, G·H·D]`` (``None``: exact), per layer."""
         factor = plan.index(HI, MID, LO)
         exact = plan.index(EXACT)
@@ -736,9 +936,16 @@ class RowStore:
             values.append(v)
         return keys, values
 
-    def choose_ranks(self, chunk: Chunk, plan: Plan, bases: dict[str, torch.Tensor], probe: Probe, cos_sin: Any,
-                     budget: Budget) -> dict[str, int]:
-        """Ranks ``r_K, r_V`` from probe errors: cheapest meeting ``target_error``, or best inside the byte budget."""
+    def choose_ranks(
+        self,
+        chunk: Chunk,
+        plan: Plan,
+        bases: dict[str, torch.Tensor],
+        probe: Probe,
+        cos_sin: Any,
+        budget: Budget,
+    ) -> dict[str, int]:
+        """``r_K, r_V`` from probe errors: cheapest meeting ``target_error``, or best within the budget."""
         method = self.method
         factor = plan.index(HI, MID, LO)
         counts = plan.counts()
@@ -751,9 +958,13 @@ class RowStore:
         def side_bytes(side: str, rank: int) -> int:
             cap = bases[side].shape[1]
             widths = method.bucket_widths(rank, cap)
-            total = sum(packed_bytes(n, w, method.bits, COORD_GROUP, element) for n, w in zip(bucket_sizes, widths, strict=True))
-            return total + len(self.members) * packed_bytes(widths[0], self.width, method.coefficient_bits,
-                                                            widths[0], element)
+            total = sum(
+                packed_bytes(n, w, method.bits, COORD_GROUP, element)
+                for n, w in zip(bucket_sizes, widths, strict=True)
+            )
+            return total + len(self.members) * packed_bytes(
+                widths[0], self.width, method.coefficient_bits, widths[0], element
+            )
 
         def side_error(side: str, rank: int) -> float:
             basis = bases[side]
@@ -780,7 +991,9 @@ class RowStore:
             fixed += (int(factor.numel()) * (8 if method.keys == "pre_rope" else 4)) + counts["exact"] * 4
             available = budget.full_16bit / (method.target_ratio or 8.0) - fixed
             for side, other in (("k", "v"), ("v", "k")):
-                affordable = [r for r in grids[side] if side_bytes(side, r) + side_bytes(other, 1) <= available]
+                affordable = [
+                    r for r in grids[side] if side_bytes(side, r) + side_bytes(other, 1) <= available
+                ]
                 grids[side] = affordable or [1]
         errors: dict[str, dict[int, float]] = {"k": {}, "v": {}}
         for side in ("k", "v"):
@@ -804,7 +1017,7 @@ class RowStore:
     def refresh(self, chunk: Chunk, plan: Plan) -> None:
         """New bases: top directions of (stored reconstruction + this chunk), old coordinates re-expressed.
 
-        Works in the span of the old basis and the chunk (``Q: [G·H·D, k]``), so it never needs exact old KV and
+        Works in the span of the old basis and the chunk (``Q: [G·H·D, k]``): it needs no exact old KV and
         costs ``O(n·r²)``. Segment widths stay; the total rank may grow to fit a raised rank.
         """
         method = self.method
@@ -841,9 +1054,10 @@ def other_side(side: str) -> str:
     return "v" if side == "k" else "k"
 
 
-def cheapest_meeting(errors: dict[str, dict[int, float]], cost: Callable[[str, int], int],
-                     target: float) -> dict[str, int]:
-    """The probed ``(r_K, r_V)`` of fewest bytes whose errors add up to at most ``target`` (else the largest)."""
+def cheapest_meeting(
+    errors: dict[str, dict[int, float]], cost: Callable[[str, int], int], target: float
+) -> dict[str, int]:
+    """The probed ``(r_K, r_V)`` of fewest bytes whose errors sum to at most ``target`` (else the largest)."""
     best: tuple[int, int, int] | None = None
     for rk, ek in errors["k"].items():
         for rv, ev in errors["v"].items():
@@ -853,8 +1067,12 @@ def cheapest_meeting(errors: dict[str, dict[int, float]], cost: Callable[[str, i
     return {"k": best[1], "v": best[2]} if best else {s: max(errors[s]) for s in ("k", "v")}
 
 
-def best_within(errors: dict[str, dict[int, float]], cost: Callable[[str, int], int], available: float,
-                caps: dict[str, int]) -> dict[str, int]:
+def best_within(
+    errors: dict[str, dict[int, float]],
+    cost: Callable[[str, int], int],
+    available: float,
+    caps: dict[str, int],
+) -> dict[str, int]:
     """The probed pair of least summed error inside ``available`` bytes, then filled one rank at a time.
 
     The fill always grows the side whose (interpolated) error is larger, so the budget ends up used to within
@@ -868,8 +1086,12 @@ def best_within(errors: dict[str, dict[int, float]], cost: Callable[[str, int], 
                 best = (ek + ev, rk, rv)
     ranks = {"k": best[1], "v": best[2]} if best else {"k": 1, "v": 1}
     while True:
-        grow = [s for s in ("k", "v") if ranks[s] < caps[s]
-                and cost(s, ranks[s] + 1) + cost(other_side(s), ranks[other_side(s)]) <= available]
+        grow = [
+            s
+            for s in ("k", "v")
+            if ranks[s] < caps[s]
+            and cost(s, ranks[s] + 1) + cost(other_side(s), ranks[other_side(s)]) <= available
+        ]
         if not grow:
             return ranks
         side = max(grow, key=lambda s: interpolate(errors[s], ranks[s]))
@@ -901,7 +1123,9 @@ def interpolate(errors: dict[int, float], rank: int) -> float:
 # -------------------------------------------------------------------------------------------------- router
 
 
-def prompt_padding(attention_mask: torch.Tensor | None, tokens: int, rows: int, device: torch.device) -> torch.Tensor:
+def prompt_padding(
+    attention_mask: torch.Tensor | None, tokens: int, rows: int, device: torch.device
+) -> torch.Tensor:
     """``[B]`` left-padding tokens per row (from the last prompt query's mask row)."""
     mask = mask_to_bool(attention_mask)
     if mask is None:
@@ -909,8 +1133,9 @@ def prompt_padding(attention_mask: torch.Tensor | None, tokens: int, rows: int, 
     return (~mask[:, 0, -1, :tokens]).sum(-1).to(torch.int64)
 
 
-def observed_attention(query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int,
-                       scaling: float) -> torch.Tensor:
+def observed_attention(
+    query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int, scaling: float
+) -> torch.Tensor:
     """``[B, n]`` attention the last ``window`` prompt queries pay each token (all heads, max-pooled)."""
     b, hq, n, d = query.shape
     h = key.shape[1]
@@ -927,7 +1152,7 @@ def observed_attention(query: torch.Tensor, key: torch.Tensor, pad_count: torch.
 
 
 def novelty_score(chunk: Chunk, basis_k: torch.Tensor, basis_v: torch.Tensor) -> torch.Tensor:
-    """``[n]`` energy of each token's K and V outside the bases ``[r, W]`` (each side normalised by its mean)."""
+    """``[n]`` energy of each token's K and V outside the bases ``[r, W]`` (each side over its mean)."""
     score = torch.zeros(chunk.size, device=chunk.x_k.device)
     for x, basis in ((chunk.x_k, basis_k), (chunk.x_v, basis_v)):
         residual = x - (x @ torch.linalg.pinv(basis)) @ basis
@@ -973,18 +1198,18 @@ def make_plan(chunk: Chunk, novelty: torch.Tensor | None, method: DepthWeave) ->
     hi = round(method.hi_tokens * kept)
     lo = min(round(method.lo_tokens * kept), kept - hi)
     kind[order[:exact]] = EXACT
-    kind[order[exact:exact + hi]] = HI
+    kind[order[exact : exact + hi]] = HI
     if evicted:
-        kind[order[n - evicted:]] = EVICTED
+        kind[order[n - evicted :]] = EVICTED
     if lo > 0:
-        kind[order[n - evicted - lo:n - evicted]] = LO
+        kind[order[n - evicted - lo : n - evicted]] = LO
     return Plan(kind)
 
 
 def content_scores(shared: dict[str, Any], slots: torch.Tensor, rows: int) -> torch.Tensor | None:
     """``[B, c]`` token-content signal from ``shared["token_ids"]`` (``[B, n]`` prompt ids), else ``None``.
 
-    In-prompt rarity (``1 / count``) everywhere; with ``shared["tokenizer"]`` also +1 for tokens with digits and
+    In-prompt rarity (``1 / count``) everywhere; with ``shared["tokenizer"]`` also +1 for tokens with digits,
     +0.5 for capitalised ones (names, entities). Slots past the given ids score 0.
     """
     ids = shared.get("token_ids")
@@ -1000,8 +1225,10 @@ def content_scores(shared: dict[str, Any], slots: torch.Tensor, rows: int) -> to
         unique, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
         score = 1.0 / counts[inverse].float()
         if tokenizer is not None:
-            flags = torch.tensor([_content_flag(t) for t in tokenizer.convert_ids_to_tokens(unique.tolist())],
-                                 device=slots.device)
+            flags = torch.tensor(
+                [_content_flag(t) for t in tokenizer.convert_ids_to_tokens(unique.tolist())],
+                device=slots.device,
+            )
             score = score + flags[inverse]
         out[b, inside] = score[slots[inside]]
     return out
@@ -1039,8 +1266,15 @@ class FactorPart:
     """Factorized segments: values as ``(P·C_v)·R_v`` per segment; keys dense (pre-RoPE, reconstructed and
     rotated) or latent (post-RoPE: ``(q·R_kᵀ)·C_kᵀ``)."""
 
-    def __init__(self, coords_k: list[torch.Tensor], coords_v: list[torch.Tensor], r_k: torch.Tensor,
-                 r_v: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        coords_k: list[torch.Tensor],
+        coords_v: list[torch.Tensor],
+        r_k: torch.Tensor,
+        r_v: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor | None,
+    ) -> None:
         self.coords_k, self.coords_v, self.r_k, self.r_v = coords_k, coords_v, r_k, r_v  # r_*: [r, H, D]
         self.slots, self.keys = slots, keys
 
@@ -1064,17 +1298,18 @@ class FactorPart:
         out = torch.zeros(*probs.shape[:2], self.r_v.shape[-1], device=probs.device)
         start = 0
         for c in self.coords_v:
-            weights = probs[..., start:start + c.shape[0]] @ c  # [H, M, w]
+            weights = probs[..., start : start + c.shape[0]] @ c  # [H, M, w]
             out += torch.einsum("hmw,whd->hmd", weights, self.r_v[: c.shape[1]])
             start += c.shape[0]
         return out
 
 
-def attend_parts(query: torch.Tensor, parts: list[Any], mask: torch.Tensor | None, first: int,
-                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_parts(
+    query: torch.Tensor, parts: list[Any], mask: torch.Tensor | None, first: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's attention over ``parts`` (the last one is the recent buffer).
 
-    ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token received)``. Query heads
+    ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
     of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
     """
     hq, q_len, d = query.shape
@@ -1090,10 +1325,10 @@ def attend_parts(query: torch.Tensor, parts: list[Any], mask: torch.Tensor | Non
     start = 0
     for part in parts:
         n = part.slots.numel()
-        out += part.output(probs[..., start:start + n])
+        out += part.output(probs[..., start : start + n])
         start += n
     m = parts[-1].slots.numel()
-    recent = probs[..., start - m:].sum(0).view(g, q_len, m).sum(0).amax(0)
+    recent = probs[..., start - m :].sum(0).view(g, q_len, m).sum(0).amax(0)
     return out.view(hq, q_len, d).transpose(0, 1), recent
 
 
@@ -1103,22 +1338,27 @@ def attend_parts(query: torch.Tensor, parts: list[Any], mask: torch.Tensor | Non
 class Probe:
     """Attention-output probe of one chunk: queries of every group layer attend over the chunk's tokens.
 
-    ``error(keys, values, keep)`` is the mean over layers of ``‖O − Ô‖ / ‖O‖`` where ``O`` is attention over the
+    ``error(keys, values, keep)`` is the mean over layers of ``‖O − Ô‖ / ‖O‖``, ``O`` being attention over the
     exact chunk and ``Ô`` over the given (stored) keys and values with evicted tokens left out.
     """
 
-    def __init__(self, queries: list[torch.Tensor], query_slots: torch.Tensor, chunk: Chunk,
-                 scalings: list[float]) -> None:
+    def __init__(
+        self, queries: list[torch.Tensor], query_slots: torch.Tensor, chunk: Chunk, scalings: list[float]
+    ) -> None:
         h = chunk.keys[0].shape[0]
         self.packed = [q.reshape(h, -1, q.shape[-1]) for q in queries]  # [H, g·p, D]
         g = queries[0].shape[0] // h
         causal = chunk.slots.view(1, -1) <= query_slots.view(-1, 1)  # [p, n]
         self.causal = causal.repeat(g, 1)
         self.scalings = scalings
-        self.exact = [self.attend(i, k.float(), v.float(), None) for i, (k, v) in
-                      enumerate(zip(chunk.keys, chunk.values, strict=True))]
+        self.exact = [
+            self.attend(i, k.float(), v.float(), None)
+            for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True))
+        ]
 
-    def attend(self, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
         visible = self.causal if keep is None else self.causal & keep.view(1, -1)
         logits = self.packed[layer] @ keys.transpose(-1, -2) * self.scalings[layer]
         probs = torch.nan_to_num(logits.masked_fill(~visible, float("-inf")).softmax(-1))
