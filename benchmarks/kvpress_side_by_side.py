@@ -44,7 +44,13 @@ PRESSES = ("KeyDiff", "SnapKV", "StreamingLLM", "ExpectedAttention", "Knorm")
 """Default presses (kvpress class names without the ``Press`` suffix)."""
 
 REQUIREMENTS = ("kvpress", "transformers<5.3", "torch==2.13.0")
-"""What the kvpress venv gets (kvpress pins transformers below 5.3; torch as in kvweave's venv)."""
+"""What the kvpress venv gets (kvpress pins transformers below 5.3; torch as in kvweave's venv). The torch
+requirement is installed first and then held by a constraint, so kvpress's dependencies cannot swap it for
+another build (for instance a CUDA wheel from PyPI in place of a local CPU one)."""
+
+DEFAULT_VENV = Path(__file__).resolve().parent.parent / "runs" / "kvpress-venv"
+"""Where the kvpress venv lives unless ``--venv`` says otherwise: ``runs/kvpress-venv`` of this checkout,
+whatever the working directory."""
 
 BASELINE = "kvpress:full"
 """Method name of the uncompressed run in the kvpress environment (the speed reference)."""
@@ -161,7 +167,24 @@ def ensure_venv(venv: Path, requirements: list[str]) -> Path:
     print(f"creating {venv} with {' '.join(requirements)} (several minutes, once)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
-    subprocess.run([python, "-m", "pip", "install", *requirements], check=True)
+    torch_first = [r for r in requirements if re.match(r"torch\b(?![-_.\w])", r)]
+    rest = [r for r in requirements if r not in torch_first]
+    constraint: list[str] = []
+    if torch_first:
+        # torch alone first (the build it picks, e.g. a local CPU wheel, is then the one installed), and
+        # pinned to exactly that version while kvpress and its dependencies resolve around it
+        subprocess.run([python, "-m", "pip", "install", *torch_first], check=True)
+        installed = subprocess.run(
+            [python, "-c", "import torch; print(torch.__version__)"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        pin = venv / "torch-constraint.txt"
+        pin.write_text(f"torch=={installed}\n")
+        constraint = ["-c", str(pin)]
+    if rest:
+        subprocess.run([python, "-m", "pip", "install", *constraint, *rest], check=True)
     return python
 
 
@@ -285,6 +308,7 @@ def child_main(args: argparse.Namespace) -> int:
     if names:
         import kvpress
 
+    transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar line per tensor otherwise
     dtype = getattr(torch, args.dtype)
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     model = AutoModelForCausalLM.from_pretrained(
@@ -427,7 +451,7 @@ def print_plan(args: argparse.Namespace, out: Path) -> None:
     print(f"predictions: {prompts * len(methods)}")
     print(
         f"venv:        {args.venv} ({'exists' if venv_python(Path(args.venv)).exists() else 'to create'}): "
-        f"pip install {shlex.join(args.requirements)}"
+        f"pip install {shlex.join(args.requirements)} (torch first, then held by a constraint)"
     )
     print(f"out:         {out}/prompts.jsonl, predictions.jsonl, rows.jsonl, config.json, command.txt")
     print(f"child:       {shlex.join(child_command(venv_python(Path(args.venv)), args, out))}")
@@ -450,7 +474,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the uncompressed run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", help="run folder (default runs/kvpress-<model>-<contexts>)")
-    p.add_argument("--venv", default="runs/kvpress-venv", help="venv for kvpress (created on first use)")
+    p.add_argument(
+        "--venv",
+        default=str(DEFAULT_VENV),
+        help="venv for kvpress (created on first use; default runs/kvpress-venv)",
+    )
     p.add_argument("--python", help="use this interpreter (with kvpress installed) instead of the venv")
     p.add_argument("--requirements", default=",".join(REQUIREMENTS), help="comma-separated pip requirements")
     p.add_argument("--dry-run", action="store_true", help="print the plan and stop")

@@ -111,6 +111,12 @@ class Method:
             ],
         }
 
+    def replays_prefill(self, config: Any, tokens: int) -> bool:
+        """Whether a ``tokens``-token prompt on a model with ``config`` is prefilled with exact attention, so
+        that the evaluation may build this cache from one shared recorded prefill (``kvweave.eval.prefill``).
+        Default: the class's ``exact_prefill``; methods exact only under some conditions refine it."""
+        return self.exact_prefill
+
     # -- validation helpers used by subclasses' __post_init__
     def check_range(self, option_name: str, low: float | None = None, high: float | None = None) -> None:
         """Raise ``ValueError`` naming the option, its value and the allowed range when out of range."""
@@ -223,6 +229,13 @@ class KVCache(Cache):
             if not getattr(layer, "is_sliding", False) and self.layer_types[idx] == "full_attention":
                 layers[idx] = method.make_layer(self, idx)
         super().__init__(layers=layers)
+
+    def set_prompt(self, token_ids: Any, tokenizer: Any = None) -> None:
+        """Tell content-aware methods (DepthWeave's router) the prompt's token ids (``[n]`` or ``[B, n]``)
+        and, optionally, the tokenizer that reads them. Methods that do not use them ignore both."""
+        self.shared["token_ids"] = torch.as_tensor(token_ids)
+        if tokenizer is not None:
+            self.shared["tokenizer"] = tokenizer
 
     def rotary_for(self, layer_idx: int) -> Rotary:
         """The model's rotary embedding for ``layer_idx`` (error if the model has none)."""

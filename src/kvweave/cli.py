@@ -115,6 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_length(model, ids.shape[1] + args.max_new_tokens, args.beyond_trained)
     cache = make_cache(args.method, model)
+    cache.set_prompt(ids, tokenizer)
     extra: dict[str, Any] = {}
     processor = None
     if args.entropy_control:

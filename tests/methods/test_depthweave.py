@@ -213,7 +213,7 @@ def test_token_ids_hook_routes_rare_tokens_to_exact_rows(model):
     ids = torch.tensor([[5, 6, 7, 8] * 16])
     ids[0, 30] = 140  # the only rare token
     cache = kvweave.make_cache("depthweave", model, **SMALL, group=2, residual_tokens=0.1)
-    cache.shared["token_ids"] = ids
+    cache.set_prompt(ids)
     with torch.no_grad():
         model(ids, **{cache_kwarg(model): cache})
     assert 30 in cache.layers[0].group.rows[0].exact_slots.tolist()

@@ -319,3 +319,20 @@ def test_beyond_trained_range_batch_rows_equal_single_rows(model, batch):
     single = _generate(model, ids[1:, 5:], mask[1:, 5:], kvweave.make_cache(spec, model))
     assert torch.equal(out.sequences[1, ids.shape[1]:], single.sequences[0, ids.shape[1] - 5:])
     assert all(torch.isfinite(step).all() for step in out.logits)
+
+
+def test_shared_prefill_only_inside_the_trained_range(model):
+    """The evaluation may replay a shared exact prefill only where compensation leaves positions alone."""
+    from kvweave.eval.prefill import record_prefill, replay_prefill
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 150, (1, 40))
+    inside = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,trained_length=64")
+    beyond = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,trained_length=32")
+    plain = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,trained_length=32,rope_compensation=false")
+    assert inside.replays_prefill(model.config, 40)
+    assert not beyond.replays_prefill(model.config, 40)
+    assert plain.replays_prefill(model.config, 40)
+    cache = kvweave.KVCache(beyond, model)
+    with pytest.raises(ValueError, match="changes prefill attention"):
+        replay_prefill(cache, record_prefill(model, ids))

@@ -7,7 +7,8 @@ keys, values, mask, positions); :func:`replay_prefill` feeds them, layer by laye
 cache of any method whose ``exact_prefill`` is true. The cache then holds what a real forward pass would have
 left in it (a test checks this for every registered method); the evaluation saves one model prefill per
 method and sample. Methods that change prefill attention (position interpolation, say) declare
-``exact_prefill = False`` and always get a real forward pass.
+``exact_prefill = False`` and always get a real forward pass; a method exact only for some prompts (DK-Cache:
+inside the trained context) says so per prompt with ``Method.replays_prefill``.
 """
 
 from __future__ import annotations
@@ -96,13 +97,19 @@ def _recording_update(update: Any, store: dict[int, tuple[torch.Tensor, torch.Te
 
 def replay_prefill(cache: KVCache, recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Fill a fresh ``cache`` from a recorded prefill, as a real forward pass would have."""
-    if not cache.method.exact_prefill:
+    tokens = _prompt_tokens(recorded)
+    if not cache.method.replays_prefill(cache.config, tokens):
         raise ValueError(f"{cache.method.name} changes prefill attention; it needs a real forward pass")
     cache.replaying = True
     try:
         _replay_layers(cache, recorded)
     finally:
         cache.replaying = False
+
+
+def _prompt_tokens(recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]]) -> int:
+    first = recorded[0]
+    return int((first.key if isinstance(first, LayerStep) else first[0]).shape[2])
 
 
 def _replay_layers(cache: KVCache, recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -166,8 +166,9 @@ def run_trial(
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
     check_length(model, len(full_ids), config.beyond_trained)
     cache = make_cache(trial.method, model)
+    cache.set_prompt([prefill_ids], tokenizer)
     kw = cache_kwarg(model)
-    replayed = shared is not None and cache.method.exact_prefill
+    replayed = shared is not None and cache.method.replays_prefill(model.config, len(prefill_ids))
     if shared is not None and replayed:
         prefill_s = shared.fill(model, cache, prefill_ids, (trial.task, trial.context, trial.trial))
     else:

@@ -158,6 +158,12 @@ class DKCache(Method):
         """Whether RoPE angle compensation is on."""
         return self.key_storage == "pre_rope" and self.rope_compensation is not False
 
+    def replays_prefill(self, config: Any, tokens: int) -> bool:
+        """Prefill attention is exact (plain SDPA) unless angle compensation remaps positions, which it does
+        only for prompts longer than the trained context."""
+        trained = self.trained_length or int(config.max_position_embeddings)
+        return not self.remaps_positions or tokens <= trained
+
     def bounds(self, trained: int) -> tuple[int, int]:
         """``(core, steady)`` in tokens: the options, else the seed's fractions of the trained context."""
         default_core, default_steady = default_bounds(trained)
