@@ -68,11 +68,17 @@ class Packed:
         """The stored values as ``[..., n, w]`` in ``dtype``."""
         if self.bits == 16:
             return self.data.to(dtype)
-        values = _unpack4(self.data, self.width) if self.bits == 4 else self.data
+        values = _unpack4_table(self.data, self.width, dtype) if self.bits == 4 else self.data.to(dtype)
         scale = self.scale.to(dtype)  # type: ignore[union-attr]
-        if self.group > 0:
-            scale = scale.repeat_interleave(self.group, dim=-2)[..., : self.rows, :]
-        return values.to(dtype) * scale
+        if self.group <= 0:
+            return values * scale
+        n, whole = self.rows, self.rows - self.rows % self.group
+        # scales broadcast over each group of rows (no repeated copy of the scale tensor)
+        head = (values[..., :whole, :].unflatten(-2, (-1, self.group)) * scale[..., : whole // self.group, :]
+                .unsqueeze(-2)).flatten(-3, -2)
+        if whole == n:
+            return head
+        return torch.cat([head, values[..., whole:, :] * scale[..., -1:, :]], dim=-2)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this object holds (for byte accounting)."""
@@ -153,6 +159,19 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
     if u.shape[-1] % 2:
         u = F.pad(u, (0, 1), value=8)
     return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+_NIBBLES = torch.stack([torch.arange(256) % 16 - 8, torch.arange(256) // 16 - 8], dim=-1)  # [256, 2]
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unpack4_table(data: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_unpack4` straight into ``dtype`` by one table lookup per byte (the decode-time path)."""
+    key = (dtype, data.device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = _NIBBLES.to(device=data.device, dtype=dtype)
+    return F.embedding(data.long(), table).flatten(-2)[..., :width]
 
 
 def _unpack4(data: torch.Tensor, width: int) -> torch.Tensor:
