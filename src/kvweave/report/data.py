@@ -153,9 +153,11 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 
 def overview(summary: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
-    """``(tasks, lines)``: one line per (model, method) with accuracy per task (mean over contexts),
-    mean compression, KV MB at the longest context and the median speed ratio against ``full``."""
-    tasks = sorted({s["task"] for s in summary})
+    """``(columns, lines)``: one line per (model, method) with ``(accuracy, n)`` per task and context length
+    (columns like ``passkey 4K``), mean compression, KV MB at the longest context and the median speed ratio
+    against ``full``."""
+    keys = sorted({(s["task"], s["context"]) for s in summary})
+    tasks = [column_label(task, context) for task, context in keys]
     groups: dict[tuple[Any, str], list[dict[str, Any]]] = defaultdict(list)
     for entry in summary:
         groups[(entry.get("model"), entry["method"])].append(entry)
@@ -167,7 +169,16 @@ def overview(summary: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, A
                 "model": model,
                 "method": method,
                 "accuracy": {
-                    task: _weighted_accuracy([e for e in entries if e["task"] == task]) for task in tasks
+                    column_label(task, context): _weighted_accuracy(
+                        [e for e in entries if e["task"] == task and e["context"] == context]
+                    )
+                    for task, context in keys
+                },
+                "n": {
+                    column_label(task, context): sum(
+                        e["n"] for e in entries if e["task"] == task and e["context"] == context
+                    )
+                    for task, context in keys
                 },
                 "compression": _mean(e.get("compression") for e in entries),
                 "kv_mb": max(e["kv_bytes"] for e in entries if e["context"] == longest) / 2**20,
@@ -177,6 +188,11 @@ def overview(summary: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, A
             }
         )
     return tasks, sorted(lines, key=lambda line: (str(line["model"]), method_order(line["method"])))
+
+
+def column_label(task: str, context: int) -> str:
+    """``passkey 4K`` (contexts that are whole multiples of 1024 in K, others in tokens)."""
+    return f"{task} {context // 1024}K" if context % 1024 == 0 else f"{task} {context}"
 
 
 def _weighted_accuracy(entries: list[dict[str, Any]]) -> float | None:

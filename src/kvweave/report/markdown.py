@@ -23,15 +23,20 @@ def _num(value: Any, pattern: str) -> str:
     return "-" if value is None else pattern % value
 
 
+def _cell(accuracy: float | None, n: int) -> str:
+    return "" if accuracy is None or n == 0 else f"{_pct(accuracy)} ({n})"
+
+
 def overview_markdown(summary: list[dict[str, Any]]) -> str:
-    """Accuracy per task for every (model, method), with compression, memory and speed ratio."""
+    """Accuracy (trials) per task and context for every (model, method), with compression, memory and speed
+    ratio."""
     tasks, lines = data.overview(summary)
     several = len({line["model"] for line in lines}) > 1
     header = ["method", *tasks, "compression", "KV MiB (longest context)", "decode vs full"]
     rows = [
         [
             f"`{line['method']}`" if not several else f"{line['model']} `{line['method']}`",
-            *[_pct(line["accuracy"][t]) for t in tasks],
+            *[_cell(line["accuracy"][t], line["n"][t]) for t in tasks],
             _num(line["compression"], "%.2fx"),
             f"{line['kv_mb']:.2f} @ {line['longest']}",
             _num(line["speed_vs_full"], "%.2f"),
@@ -86,9 +91,9 @@ def render(runs: list[Run]) -> str:
     parts = [
         "## kvweave results",
         "",
-        "Accuracy per task (mean over context lengths and trials), mean compression (16-bit full-cache bytes "
-        "/ bytes held), KV memory at the longest context, and median decode speed as a ratio against `full` "
-        "measured in the same run.",
+        "Accuracy per task and context length (number of trials in brackets), mean compression (16-bit "
+        "full-cache bytes / bytes held), KV memory at the longest context, and median decode speed as a ratio "
+        "against `full` measured in the same run (the median over the runs a method appears in).",
         "",
         overview_markdown(summary),
         "",

@@ -179,7 +179,7 @@ def _fmt(value: Any, pattern: str, empty: str = "-") -> str:
 
 
 def overview_table(summary: list[dict[str, Any]]) -> str:
-    """Accuracy per task for every (model, method), with compression, memory and speed ratio."""
+    """Accuracy (trials) per task and context for every (model, method), compression, memory, speed ratio."""
     task_list, lines = data.overview(summary)
     several = len({line["model"] for line in lines}) > 1
     head = ['<th class="name">method</th>'] + [f"<th>{escape(t)}</th>" for t in task_list]
@@ -188,8 +188,8 @@ def overview_table(summary: list[dict[str, Any]]) -> str:
     for line in lines:
         cells = [f'<td class="name">{escape(_series_name(str(line["model"]), line["method"], several))}</td>']
         for task in task_list:
-            value = line["accuracy"][task]
-            cells.append(f"<td>{'-' if value is None else f'{100 * value:.0f}%'}</td>")
+            value, n = line["accuracy"][task], line["n"][task]
+            cells.append(f"<td>{'-' if value is None else f'{100 * value:.0f}% <small>({n})</small>'}</td>")
         cells.append(f"<td>{_fmt(line['compression'], '%.2fx')}</td>")
         cells.append(f"<td>{line['kv_mb']:.2f} @ {line['longest']}</td>")
         cells.append(f"<td>{_fmt(line['speed_vs_full'], '%.2f')}</td>")
