@@ -78,8 +78,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _write_command(folder: Path) -> None:
-    """Write the command line that produced a run folder beside its results."""
-    (folder / "command.txt").write_text("kvweave " + " ".join(sys.argv[1:]) + "\n")
+    """Record the command line that produced (part of) a run folder beside its results: a resumed or
+    extended run adds its command as a new line, so every row's producer stays listed."""
+    path = folder / "command.txt"
+    line = "kvweave " + " ".join(sys.argv[1:])
+    held = path.read_text().splitlines() if path.exists() else []
+    if line not in held:
+        path.write_text("\n".join([*held, line]) + "\n")
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
