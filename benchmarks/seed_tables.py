@@ -66,8 +66,9 @@ def dkcache_table(folders: list[Path]) -> str:
         if method == "full"
     }
     lines = [
-        "| task | context | row | method | accuracy (n) | KV MiB | compression | decode vs full | run |",
-        "| :--- | ---: | :--- | :--- | ---: | ---: | ---: | ---: | :--- |",
+        "| task | context | row | method | accuracy (n) | KV MiB | compression | per-step attention | decode vs full "
+        "| run |",
+        "| :--- | ---: | :--- | :--- | ---: | ---: | ---: | ---: | ---: | :--- |",
     ]
     order = {label: i for i, (label, _) in enumerate(DKCACHE_ROWS)}
     entries = []
@@ -81,12 +82,15 @@ def dkcache_table(folders: list[Path]) -> str:
         accuracy = sum(r["score"] for r in rows) / len(rows)
         kv = max(r["kv_bytes"] for r in rows)
         compression = max(r["full_kv_bytes"] for r in rows) / kv
-        entries.append((task, ctx, order[label], method, label, accuracy, len(rows), kv, compression, ratio, run))
-    for task, ctx, _, method, label, accuracy, n, kv, compression, ratio, run in sorted(entries):
+        attended = [r["attended"] / (r["prompt_tokens"] + r["new_tokens"]) for r in rows if r.get("attended")]
+        share = f"{100 * statistics.median(attended):.0f}%" if attended else "all"
+        entries.append((task, ctx, order[label], method, label, accuracy, len(rows), kv, compression, share, ratio,
+                        run))
+    for task, ctx, _, method, label, accuracy, n, kv, compression, share, ratio, run in sorted(entries):
         speed = f"{ratio:.2f}" if ratio is not None else "-"
         lines.append(
             f"| {task} | {ctx} | {label} | `{method}` | {100 * accuracy:.0f}% ({n}) | {kv / 2**20:.1f} | "
-            f"{compression:.2f}x | {speed} | {run} |"
+            f"{compression:.2f}x | {share} | {speed} | {run} |"
         )
     return "\n".join(lines)
 

@@ -336,3 +336,19 @@ def test_shared_prefill_only_inside_the_trained_range(model):
     cache = kvweave.KVCache(beyond, model)
     with pytest.raises(ValueError, match="changes prefill attention"):
         replay_prefill(cache, record_prefill(model, ids))
+
+
+def test_eval_rows_record_entries_attended_per_step(model):
+    """The runner's ``attended`` field: DK-Cache attends to sinks + core + steady (+ pages), fewer than held."""
+    from kvweave.eval.runner import attended_entries
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 150, (1, 60))
+    cache = kvweave.make_cache(SMALL + ",retrieve=never", model)
+    full = kvweave.make_cache("full", model)
+    for c in (cache, full):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, do_sample=False, **{cache_kwarg(model): c})
+    assert attended_entries(full) is None
+    attended = attended_entries(cache)
+    assert attended is not None and 12 <= attended <= 2 + 12 + 1 < 63  # sinks + steady bound + the new token

@@ -220,8 +220,16 @@ def run_trial(
         "shared_prefill": replayed,
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
+        "attended": attended_entries(cache),
         "key": trial.key(),
     }
+
+
+def attended_entries(cache: Any) -> float | None:
+    """Mean over layers of the entries the last decode step attended to, for methods that attend to fewer
+    entries than they hold (DK-Cache's tiers and retrieved pages); ``None`` for the others."""
+    counts = [layer.attended_entries() for layer in cache.layers if hasattr(layer, "attended_entries")]
+    return sum(counts) / len(counts) if counts else None
 
 
 def trained_context(model: Any) -> int:
