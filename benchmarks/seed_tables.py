@@ -83,7 +83,7 @@ def dkcache_table(folders: list[Path]) -> str:
         kv = max(r["kv_bytes"] for r in rows)
         compression = max(r["full_kv_bytes"] for r in rows) / kv
         attended = [r["attended"] / (r["prompt_tokens"] + r["new_tokens"]) for r in rows if r.get("attended")]
-        share = f"{100 * statistics.median(attended):.0f}%" if attended else "all"
+        share = f"{100 * statistics.median(attended):.0f}%" if attended else "all held"
         entries.append((task, ctx, order[label], method, label, accuracy, len(rows), kv, compression, share, ratio,
                         run))
     for task, ctx, _, method, label, accuracy, n, kv, compression, share, ratio, run in sorted(entries):
