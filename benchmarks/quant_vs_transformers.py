@@ -51,8 +51,11 @@ def transformers_backend() -> str | None:
     return None
 
 
-def make_model(device: str, dtype: torch.dtype) -> Any:
-    """The random-weight model (seeded), in eval mode with SDPA attention."""
+def make_model(device: str, dtype: torch.dtype, name: str | None = None) -> Any:
+    """The random-weight model (seeded), in eval mode with SDPA attention; or the registry model ``name``."""
+    if name:
+        model, _ = kvweave.load_model(name, dtype=str(dtype).removeprefix("torch."))
+        return model.to(device).eval()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**LAYOUT)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
@@ -105,8 +108,9 @@ def kv_bytes(cache: Any) -> int | None:
 
 
 def measure(model: Any, name: str, context: int, new_tokens: int, repeats: int, device: str) -> dict[str, Any]:
-    """Median over ``repeats`` runs after one short warm-up run."""
-    ids = torch.randint(3, LAYOUT["vocab_size"], (1, context), generator=torch.Generator().manual_seed(context))
+    """Median over ``repeats`` runs after one short warm-up run (random token ids: speed does not depend on them)."""
+    vocab = min(LAYOUT["vocab_size"], model.config.vocab_size)
+    ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(context))
     ids = ids.to(device)
     run_once(model, name, ids[:, : min(context, 256)], 2, device)  # warm-up
     runs = [run_once(model, name, ids, new_tokens, device) for _ in range(repeats)]
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on GPU)")
     parser.add_argument("--out", type=Path, default=Path("runs/quant_vs_transformers.jsonl"))
+    parser.add_argument("--model", default=None,
+                        help="a kvweave registry model (real weights) instead of the random Llama layout")
     args = parser.parse_args(argv)
 
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
@@ -146,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
               "(pip install optimum-quanto). Measuring full and kvweave only.")
     else:
         methods.append(f"transformers:QuantizedCache:{backend}:{BITS}")
-    model = make_model(args.device, dtype)
+    model = make_model(args.device, dtype, args.model)
+    label = args.model or "random weights, Llama layout " + json.dumps(LAYOUT, sort_keys=True)
     env = environment(args.device, dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for context in (int(c) for c in args.context.split(",") if c.strip()):
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"benchmark": "quant_vs_transformers", "method": name, "context": context,
                    "new_tokens": args.new_tokens, "repeats": args.repeats, **result,
                    "speed_vs_full": result["decode_tok_s"] / reference,
-                   "model": "random weights, Llama layout " + json.dumps(LAYOUT, sort_keys=True), **env}
+                   "model": label, **env}
             with args.out.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
             print(f"{context:>6} {name:48s} {result['decode_tok_s']:8.1f} tok/s  x{row['speed_vs_full']:.2f} vs full"

@@ -26,6 +26,7 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from kvweave._compat import mask_to_bool, sdpa_attention
 from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
@@ -149,11 +150,27 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
                   pack(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
 
 
+_CODE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`unpack` straight to float32 by one table lookup per byte (the decode-time path: no int ops)."""
+    if bits == 8:
+        return packed.float()
+    key = (bits, packed.device)
+    table = _CODE_TABLES.get(key)
+    if table is None:  # byte -> its 8 // bits codes, lowest bits first (as pack() writes them)
+        byte = torch.arange(256, dtype=torch.int32)
+        shifts = torch.arange(8 // bits, dtype=torch.int32) * bits
+        table = _CODE_TABLES[key] = ((byte.view(-1, 1) >> shifts) & ((1 << bits) - 1)).float().to(packed.device)
+    return F.embedding(packed.long(), table).view(*packed.shape[:-1], -1)
+
+
 def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`Blocks` -> float32 ``keys, values: [B, H, n*G, D]``."""
-    keys = dequantize(unpack(blocks.key_codes, bits), blocks.key_scale, blocks.key_min)
+    keys = dequantize(unpack_float(blocks.key_codes, bits), blocks.key_scale, blocks.key_min)
     b, h, n, g, d = keys.shape
-    codes = unpack(blocks.value_codes, bits).view(b, h, n, g, blocks.value_scale.shape[-1], -1)
+    codes = unpack_float(blocks.value_codes, bits).view(b, h, n, g, blocks.value_scale.shape[-1], -1)
     values = dequantize(codes, blocks.value_scale.unsqueeze(-1), blocks.value_min.unsqueeze(-1))
     return keys.reshape(b, h, n * g, d), values.reshape(b, h, n * g, d)
 
