@@ -166,6 +166,26 @@ def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return F.embedding(packed.long(), table).view(*packed.shape[:-1], -1)
 
 
+def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
+    """``q·k`` over quantized key blocks without dequantizing the keys: per-channel scales and minima fold
+    into the query, ``q·(c⊙s + m) = (q⊙s)·c + q·m``. ``query: [B, H, R, D]`` float32 -> ``[B, H, R, n*G]``."""
+    codes = unpack_float(blocks.key_codes, bits)  # [B, H, n, G, D]
+    b, h, n, g, d = codes.shape
+    scale, minimum = blocks.key_scale.float().squeeze(3), blocks.key_min.float().squeeze(3)  # [B, H, n, D]
+    scaled = query.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, n, R, D]
+    logits = scaled @ codes.transpose(-1, -2)  # [B, H, n, R, G]
+    logits = logits + (minimum @ query.transpose(-1, -2)).unsqueeze(-1)  # + q·m per block
+    return logits.permute(0, 1, 3, 2, 4).reshape(b, h, query.shape[2], n * g)
+
+
+def dequantize_values(blocks: Blocks, bits: int) -> torch.Tensor:
+    """float32 ``values: [B, H, n*G, D]`` of quantized blocks."""
+    b, h, n, g, _ = blocks.value_codes.shape
+    codes = unpack_float(blocks.value_codes, bits).view(b, h, n, g, blocks.value_scale.shape[-1], -1)
+    values = dequantize(codes, blocks.value_scale.unsqueeze(-1), blocks.value_min.unsqueeze(-1))
+    return values.reshape(b, h, n * g, -1)
+
+
 def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`Blocks` -> float32 ``keys, values: [B, H, n*G, D]``."""
     keys = dequantize(unpack_float(blocks.key_codes, bits), blocks.key_scale, blocks.key_min)
@@ -193,8 +213,11 @@ class OnlineSoftmax:
 
     def add(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
         """Attend to ``keys, values: [B, H, T, D]`` where ``visible: [B, H or 1, R, T]``."""
-        logits = (self.query @ keys.float().transpose(-1, -2)) * self.scaling
-        logits = logits.masked_fill(~visible, float("-inf"))
+        self.add_logits(self.query @ keys.float().transpose(-1, -2), values, visible)
+
+    def add_logits(self, logits: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
+        """Attend with precomputed ``q·k`` logits ``[B, H, R, T]`` (unscaled) to ``values: [B, H, T, D]``."""
+        logits = (logits * self.scaling).masked_fill(~visible, float("-inf"))
         maximum = torch.maximum(self.maximum, logits.amax(-1, keepdim=True))
         safe = torch.where(torch.isinf(maximum), 0.0, maximum)  # no visible entry yet: nothing to rescale
         correction = torch.exp(self.maximum - safe)
@@ -365,8 +388,8 @@ class QuantLayer(CompressedLayer):
             starts = self.segment_starts(index)
             slots = (starts.unsqueeze(-1) + offsets).view(b, -1)  # [B, n*G] token index of each entry
             valid = (starts >= 0).repeat_interleave(self.group, dim=1)
-            keys, values = dequantize_blocks(segment, self.bits)
-            softmax.add(keys, values, self.visible(attention_mask, slots, valid, first, q_len, groups))
+            softmax.add_logits(block_logits(packed, segment, self.bits), dequantize_values(segment, self.bits),
+                               self.visible(attention_mask, slots, valid, first, q_len, groups))
         slots, valid = self.recent_slots()
         softmax.add(self.recent_keys, self.recent_values,
                     self.visible(attention_mask, slots, valid, first, q_len, groups))
