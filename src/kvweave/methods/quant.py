@@ -26,7 +26,6 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from kvweave._compat import mask_to_bool, sdpa_attention
 from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
@@ -150,20 +149,13 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
                   pack(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
 
 
-_CODE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
 def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`unpack` straight to float32 by one table lookup per byte (the decode-time path: no int ops)."""
+    """:func:`unpack` straight to float32 (the decode-time path): masks on uint8, one interleave, one cast."""
     if bits == 8:
         return packed.float()
-    key = (bits, packed.device)
-    table = _CODE_TABLES.get(key)
-    if table is None:  # byte -> its 8 // bits codes, lowest bits first (as pack() writes them)
-        byte = torch.arange(256, dtype=torch.int32)
-        shifts = torch.arange(8 // bits, dtype=torch.int32) * bits
-        table = _CODE_TABLES[key] = ((byte.view(-1, 1) >> shifts) & ((1 << bits) - 1)).float().to(packed.device)
-    return F.embedding(packed.long(), table).view(*packed.shape[:-1], -1)
+    mask = (1 << bits) - 1
+    codes = torch.stack([(packed >> (bits * k)) & mask for k in range(8 // bits)], dim=-1)
+    return codes.view(*packed.shape[:-1], -1).float()
 
 
 def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
