@@ -83,7 +83,10 @@ def dkcache_table(folders: list[Path]) -> str:
         kv = max(r["kv_bytes"] for r in rows)
         compression = max(r["full_kv_bytes"] for r in rows) / kv
         attended = [r["attended"] / (r["prompt_tokens"] + r["new_tokens"]) for r in rows if r.get("attended")]
-        share = f"{100 * statistics.median(attended):.0f}%" if attended else "all held"
+        if attended:
+            share = f"{100 * statistics.median(attended):.0f}%"
+        else:  # rows from before the runner recorded ``attended`` say nothing either way
+            share = "all held" if all("attended" in r for r in rows) else "not recorded"
         entries.append((task, ctx, order[label], method, label, accuracy, len(rows), kv, compression, share, ratio,
                         run))
     for task, ctx, _, method, label, accuracy, n, kv, compression, share, ratio, run in sorted(entries):
