@@ -150,12 +150,8 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
 
 
 def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`unpack` straight to float32 (the decode-time path): masks on uint8, one interleave, one cast."""
-    if bits == 8:
-        return packed.float()
-    mask = (1 << bits) - 1
-    codes = torch.stack([(packed >> (bits * k)) & mask for k in range(8 // bits)], dim=-1)
-    return codes.view(*packed.shape[:-1], -1).float()
+    """:func:`unpack` as float32 (masks on uint8, one interleave, one cast: the decode-time path)."""
+    return unpack(packed, bits).float()
 
 
 def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
@@ -182,9 +178,7 @@ def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Te
     """:class:`Blocks` -> float32 ``keys, values: [B, H, n*G, D]``."""
     keys = dequantize(unpack_float(blocks.key_codes, bits), blocks.key_scale, blocks.key_min)
     b, h, n, g, d = keys.shape
-    codes = unpack_float(blocks.value_codes, bits).view(b, h, n, g, blocks.value_scale.shape[-1], -1)
-    values = dequantize(codes, blocks.value_scale.unsqueeze(-1), blocks.value_min.unsqueeze(-1))
-    return keys.reshape(b, h, n * g, d), values.reshape(b, h, n * g, d)
+    return keys.reshape(b, h, n * g, d), dequantize_values(blocks, bits)
 
 
 # ---------------------------------------------------------------------------------------------- online softmax
