@@ -68,7 +68,7 @@ class Packed:
         """The stored values as ``[..., n, w]`` in ``dtype``."""
         if self.bits == 16:
             return self.data.to(dtype)
-        values = _unpack4_table(self.data, self.width, dtype) if self.bits == 4 else self.data.to(dtype)
+        values = _unpack4(self.data, self.width, dtype) if self.bits == 4 else self.data.to(dtype)
         scale = self.scale.to(dtype)  # type: ignore[union-attr]
         if self.group <= 0:
             return values * scale
@@ -161,15 +161,8 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
     return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
-def _unpack4_table(data: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_unpack4` straight into ``dtype`` (the decode-time path): two uint8 masks, one interleave, one
-    conversion — about 2x faster on CPU than a per-byte table lookup and 10x faster than the int16 path."""
+def _unpack4(data: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`_pack4`, as ``dtype`` values ``[..., width]``: two uint8 masks, one interleave, one
+    conversion (the decode-time path; several times faster on CPU than going through int16)."""
     nibbles = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)[..., :width]
     return nibbles.to(dtype).sub_(8)
-
-
-def _unpack4(data: torch.Tensor, width: int) -> torch.Tensor:
-    """Inverse of :func:`_pack4`: int16 values ``[..., width]``."""
-    low = (data & 15).to(torch.int16) - 8
-    high = (data >> 4).to(torch.int16) - 8
-    return torch.stack([low, high], dim=-1).flatten(-2)[..., :width]
