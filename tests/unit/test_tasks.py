@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -93,7 +94,12 @@ def test_sample_prompt() -> None:
 # -- every task -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+BUILTIN = sorted(name for name, spec in TASKS.items() if not spec.needs)
+"""Tasks that need no data folder."""
+MATCH = [name for name in BUILTIN if TASKS[name].metric == "string_match_all"]
+
+
+@pytest.mark.parametrize("task", MATCH)
 def test_every_task_generates_scores_and_is_deterministic(task: str, tok: WordTok) -> None:
     a = make_sample(task, tok, 2000, depth=0.4, seed=7)
     b = make_sample(task, tok, 2000, depth=0.4, seed=7)
@@ -111,13 +117,13 @@ def test_every_task_generates_scores_and_is_deterministic(task: str, tok: WordTo
     assert a.depth == (0.4 if TASKS[task].uses_depth else None)
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("task", BUILTIN)
 @pytest.mark.parametrize("target", [1500, 6000])
 def test_context_length_within_tolerance(task: str, target: int, tok: WordTok) -> None:
     s = make_sample(task, tok, target, depth=0.5, seed=1)
     tol = s.meta["tolerance"]
     assert s.context_tokens <= target + tol
-    coarse = task in ("niah_multikey_uuid", "cwe", "fwe")  # whole lines / list entries only
+    coarse = task in ("niah_multikey_uuid", "cwe", "fwe", "code")  # whole lines / list entries only
     assert s.context_tokens >= target - (60 if coarse else tol)
 
 
@@ -374,9 +380,9 @@ def test_perplexity_windows() -> None:
 def test_task_registry() -> None:
     expected = {
         "passkey", "niah_single", "niah_word", "niah_uuid", "niah_multikey", "niah_multikey_uuid",
-        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "code",
     }  # fmt: skip
-    assert set(TASKS) == expected
+    assert set(TASKS) == expected | {"qa_quality", "qa_loogle"}
     assert set(T.available_tasks()) == expected
     for name, spec in TASKS.items():
         assert spec.name == name and spec.description and spec.default_haystack in spec.haystacks
@@ -402,3 +408,91 @@ def test_real_tokenizer_lengths_and_depth() -> None:
     ids = tok.encode(s.context, add_special_tokens=False)
     prefix = tok.encode(s.context[: s.context.find(s.answers[0])], add_special_tokens=False)
     assert len(prefix) / len(ids) == pytest.approx(0.25, abs=0.05)
+
+
+# -- long-document QA and code -----------------------------------------------------------------------
+
+STORY = "Title {n}\n\n" + "\n\n".join("Paragraph {p} of story {n} tells of ships and {n} sailors." for p in range(30))
+
+
+def _qa_data(root: Path) -> Path:
+    (root / "leval").mkdir(parents=True)
+    (root / "loogle").mkdir()
+    rows = [
+        {
+            "input": STORY.replace("{n}", str(n)).replace("{p}", "x"),
+            "instructions": ["Who sailed?\n (A) cats\n (B) sailors\n (C) dogs\n (D) fish", "Free question"],
+            "outputs": ["(B) sailors", "no letter here"],
+            "source": "quality_raw",
+            "evaluation": "exam",
+        }
+        for n in range(4)
+    ]
+    (root / "leval" / "quality.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    article = " ".join(f"Sentence {i} says nothing much." for i in range(3000))
+    evidence = "The harbour was built in 1871 by the Danes."
+    article = article[: len(article) // 2] + " " + evidence + " " + article[len(article) // 2 :]
+    pairs = [{"Q": "When was the harbour built?", "A": "In 1871.", "S": evidence}, {"Q": "x", "A": "y", "S": "absent"}]
+    (root / "loogle" / "shortdep_qa.jsonl").write_text(
+        json.dumps({"input": article, "title": "Harbour", "qa_pairs": repr(pairs), "output": "none"}) + "\n"
+    )
+    return root
+
+
+def test_qa_quality_keeps_whole_story_among_distractors(tmp_path: Path, tok: WordTok) -> None:
+    data = _qa_data(tmp_path)
+    s = make_sample("qa_quality", tok, 2000, depth=0.5, seed=3, data_dir=data)
+    story = STORY.replace("{n}", str(s.meta["document"])).replace("{p}", "x")
+    assert story in s.context and s.answers == ["B"]
+    assert s.meta["question_index"] == 0  # the question without an option letter is never drawn
+    assert abs(s.context_tokens - 2000) <= s.meta["tolerance"]
+    assert s.context.count("Title ") >= 2  # distractor stories fill the rest
+    assert score(s, "B) sailors") == 1.0 and score(s, "(C) dogs") == 0.0 and score(s, "I think A") == 0.0
+    assert score(s, "no letter") == 0.0
+    with pytest.raises(ValueError, match="too small for task 'qa_quality'"):
+        make_sample("qa_quality", tok, 100, seed=3, data_dir=data)
+
+
+def test_qa_loogle_window_holds_evidence_at_depth(tmp_path: Path, tok: WordTok) -> None:
+    data = _qa_data(tmp_path)
+    for depth in (0.2, 0.7):
+        s = make_sample("qa_loogle", tok, 3000, depth=depth, seed=0, data_dir=data)
+        assert s.meta["evidence"] in s.context and s.answers == ["In 1871."]
+        assert abs(s.context_tokens - 3000) <= s.meta["tolerance"]
+        assert s.meta["needle_depths"][0] == pytest.approx(depth, abs=0.05)
+    assert score(s, "It was built in 1871.") == pytest.approx(2 * (2 / 5) * 1 / (2 / 5 + 1))
+    assert score(s, "in 1871") == 1.0 and score(s, "Never") == 0.0
+    with pytest.raises(ValueError, match="too long for task 'qa_loogle'"):
+        make_sample("qa_loogle", tok, 50_000, seed=0, data_dir=data)
+
+
+def test_qa_missing_and_corrupt_data(tmp_path: Path, tok: WordTok) -> None:
+    with pytest.raises(TaskDataMissing, match="KVWEAVE_DATA"):
+        make_sample("qa_quality", tok, 2000)
+    (tmp_path / "leval").mkdir()
+    (tmp_path / "leval" / "quality.jsonl").write_text('{"input": "x", "instructions": [\n')
+    with pytest.raises(ValueError, match="line 1: not valid JSON"):
+        make_sample("qa_quality", tok, 2000, data_dir=tmp_path)
+
+
+def test_code_target_calls_a_far_definition(tok: WordTok) -> None:
+    for seed in range(4):
+        s = make_sample("code", tok, 3000, seed=seed)
+        gold = s.answers[0]
+        assert s.context.endswith("\n") and s.meta["line"] - s.meta["definition_line"] > T._CODE_NEAR
+        called = T._CALL.findall(gold)
+        assert called, gold
+        assert score(s, f"```python\n{gold}\n```") == 1.0
+        assert score(s, "\n   " + gold + "  \nmore") == 1.0
+        assert 0.0 <= score(s, "return None") < 1.0
+        assert score(s, "") == 0.0
+
+
+def test_code_lines_skip_strings_and_comments(tmp_path: Path) -> None:
+    src = ["def helper(x):", "    return x", *["pass"] * 50, '"""', "    value = helper(1) + helper(2)", '"""']
+    src += ["# value = helper(3) + helper(4)", "    result = helper(5) + other(6)", "    z = obj.helper(7)"]
+    path = tmp_path / "m.py"
+    path.write_text("\n".join(src) + "\n")
+    lines, cands = T._code_lines(str(path))
+    assert [lines[i].strip() for i, _ in cands] == ["result = helper(5) + other(6)"]
+    assert cands[0][1] == 0

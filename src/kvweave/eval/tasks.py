@@ -19,12 +19,16 @@ argument; a missing required file raises :class:`TaskDataMissing`.
 
 from __future__ import annotations
 
+import ast
+import difflib
+import json
 import math
 import os
 import random
 import re
 import string
 import sysconfig
+import tokenize
 import uuid
 import weakref
 from bisect import bisect_left, bisect_right
@@ -51,6 +55,7 @@ __all__ = [
     "make_sample",
     "perplexity_windows",
     "resolve_data_dir",
+    "first_code_line",
     "score",
 ]
 
@@ -158,16 +163,70 @@ _CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def score(sample: Sample, prediction: str) -> float:
-    """Fraction of ``sample.answers`` found in ``prediction`` (RULER ``string_match_all``).
+    """Score of ``prediction`` by the task's metric (``TASKS[sample.task].metric``), in [0, 1].
 
-    Matching is case-insensitive substring search after RULER's post-processing (strip,
-    control characters to newlines, strip).  Returns 0.0 when the sample has no answers.
+    * ``string_match_all`` (RULER): fraction of ``sample.answers`` found in ``prediction``,
+      case-insensitive, after RULER's post-processing (strip, control characters to newlines, strip).
+    * ``choice``: 1 when the first option letter (A-D) of the prediction is the answer letter.
+    * ``f1``: SQuAD token F1 against the best-matching answer.
+    * ``edit_sim``: similarity (``difflib`` ratio) of the first code line of the prediction with the answer line.
+
+    Returns 0.0 when the sample has no answers.
     """
+    spec = TASKS.get(sample.task)
+    metric = spec.metric if spec is not None else "string_match_all"
+    if metric == "choice":
+        return _score_choice(sample.answers, prediction)
+    if metric == "f1":
+        return max((_token_f1(a, prediction) for a in sample.answers), default=0.0)
+    if metric == "edit_sim":
+        return _edit_sim(sample.answers, prediction)
     answers = [a.strip().lower() for a in sample.answers if a.strip()]
     if not answers:
         return 0.0
     pred = _CONTROL.sub("\n", prediction.strip()).strip().lower()
     return sum(a in pred for a in answers) / len(answers)
+
+
+_LETTER = re.compile(r"(?<![A-Za-z])([A-D])(?![A-Za-z])")
+
+
+def _score_choice(answers: list[str], prediction: str) -> float:
+    match = _LETTER.search(prediction)
+    return float(bool(answers) and match is not None and match.group(1) == answers[0].strip().upper())
+
+
+def _normalize_words(text: str) -> list[str]:
+    """SQuAD answer normalisation: lower case, no punctuation or articles, split on whitespace."""
+    text = "".join(" " if ch in string.punctuation else ch for ch in text.lower())
+    return [w for w in text.split() if w not in ("a", "an", "the")]
+
+
+def _token_f1(answer: str, prediction: str) -> float:
+    gold, pred = _normalize_words(answer), _normalize_words(prediction)
+    if not gold or not pred:
+        return 0.0
+    common = sum(min(gold.count(w), pred.count(w)) for w in set(gold) & set(pred))
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def first_code_line(prediction: str) -> str:
+    """The first non-blank line of ``prediction`` that is not a Markdown code fence, stripped."""
+    for line in prediction.splitlines():
+        line = line.strip()
+        if line and not line.startswith("```"):
+            return line
+    return ""
+
+
+def _edit_sim(answers: list[str], prediction: str) -> float:
+    if not answers:
+        return 0.0
+    line = first_code_line(prediction)
+    return difflib.SequenceMatcher(None, line, answers[0].strip(), autojunk=False).ratio()
 
 
 def depths(n: int) -> list[float]:
@@ -636,6 +695,7 @@ class _Ctx:
     rng: random.Random
     haystack: Haystack | None
     words: _Words
+    data_dir: str | os.PathLike[str] | None = None
 
 
 def _rand_number(rng: random.Random, digits: int = 7) -> str:
@@ -978,6 +1038,235 @@ def _build_fwe(ctx: _Ctx) -> _Plan:
     return _Plan(build, n0=n0, slope=per_word, n_min=100)
 
 
+# -- long-document QA and code continuation ---------------------------------------------------------
+
+_QUALITY = "leval/quality.jsonl"
+_LOOGLE = "loogle/shortdep_qa.jsonl"
+
+
+@lru_cache(maxsize=4)
+def _read_jsonl(path: str) -> tuple[dict[str, Any], ...]:
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {n}: not valid JSON ({exc.msg}); is the file complete?") from exc
+    if not rows:
+        raise ValueError(f"{path} holds no documents")
+    return tuple(rows)
+
+
+_OPTION = re.compile(r"^\s*\(([A-D])\)")
+
+
+def _quality_items(path: Path) -> list[tuple[int, int]]:
+    """(document, question) pairs of L-Eval QuALITY whose answer names one option letter."""
+    items = []
+    for d, row in enumerate(_read_jsonl(str(path))):
+        try:
+            pairs = list(zip(row["instructions"], row["outputs"], strict=True))
+            _ = row["input"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: document {d} lacks 'input'/'instructions'/'outputs' ({exc})") from exc
+        items.extend((d, q) for q, (_, out) in enumerate(pairs) if _OPTION.match(out))
+    return items
+
+
+def _paragraph_haystack(name: str, docs: Sequence[str]) -> Haystack:
+    """Distractor filler: the paragraphs of ``docs``, joined by blank lines."""
+    units = tuple(p.strip() for doc in docs for p in re.split(r"\n\s*\n", doc) if p.strip())
+    return Haystack(name, units, "\n\n")
+
+
+def _build_qa_quality(ctx: _Ctx) -> _Plan:
+    """L-Eval QuALITY multiple choice: a whole story at ``depth`` among paragraphs of the other stories.
+
+    The story is never cut: only (story, question) pairs whose story fits in the target are drawn, and
+    the rest of the context is distractor paragraphs from the other stories (as RULER's QA tasks pad
+    with distractor documents).
+    """
+    path = _require_data(_QUALITY, "task 'qa_quality'", ctx.data_dir)
+    rows = _read_jsonl(str(path))
+    preamble = (
+        "Read the stories below. A multiple-choice question about one of them follows; "
+        "answer with the letter of the right option.\n\n"
+    )
+    room = ctx.target - _count(ctx.tok, preamble) - 8
+    lengths = {d: _count(ctx.tok, rows[d]["input"].strip()) for d in range(len(rows))}
+    items = [(d, q) for d, q in _quality_items(path) if lengths[d] <= room]
+    if not items:
+        raise ValueError(
+            f"context_tokens={ctx.target} is too small for task 'qa_quality': its shortest story has "
+            f"{min(lengths.values())} tokens; use a longer context"
+        )
+    d, q = ctx.rng.choice(items)
+    depth = _pick_depth(ctx)
+    ctx.depth = depth
+    story = rows[d]["input"].strip()
+    question = rows[d]["instructions"][q].strip()
+    match = _OPTION.match(rows[d]["outputs"][q])
+    assert match is not None
+    ctx.haystack = _paragraph_haystack("quality", [r["input"] for i, r in enumerate(rows) if i != d])
+
+    def finish(context: str, realised: list[float]) -> _Draft:
+        meta = {"depth": depth, "needle_depths": realised, "document": d, "question_index": q}
+        meta.update(story_tokens=lengths[d], metric="choice")
+        return _Draft(context, f"Question: {question}", [match.group(1)], "Answer: (", meta)
+
+    return _prose_plan(ctx, preamble, [story], [depth], finish)
+
+
+def _loogle_items(path: Path) -> list[tuple[int, dict[str, str]]]:
+    """(document, QA pair) of LooGLE short-dependency QA whose evidence sentence occurs in the document."""
+    items = []
+    for d, row in enumerate(_read_jsonl(str(path))):
+        try:
+            pairs = ast.literal_eval(row["qa_pairs"])
+            doc = row["input"]
+        except (KeyError, ValueError, SyntaxError) as exc:
+            raise ValueError(f"{path}: document {d} has no readable 'input'/'qa_pairs' ({exc})") from exc
+        items.extend((d, qa) for qa in pairs if qa.get("S") and qa.get("A") and qa["S"] in doc)
+    return items
+
+
+def _build_qa_loogle(ctx: _Ctx) -> _Plan:
+    """LooGLE short-dependency QA: a window of one Wikipedia article with the evidence sentence at ``depth``.
+
+    The window is cut at word boundaries around the QA pair's evidence sentence (which LooGLE records),
+    so the evidence is always in the context; scored by SQuAD token F1 against the reference answer.
+    """
+    path = _require_data(_LOOGLE, "task 'qa_loogle'", ctx.data_dir)
+    rows = _read_jsonl(str(path))
+    preamble = "Read the article below and answer the question that follows in one sentence.\n\n"
+    items = [(d, qa) for d, qa in _loogle_items(path) if len(rows[d]["input"]) >= 4.5 * ctx.target]
+    if not items:
+        longest = max(len(r["input"]) for r in rows) // 4
+        raise ValueError(
+            f"context_tokens={ctx.target} is too long for task 'qa_loogle': its longest article has about "
+            f"{longest} tokens; use a shorter context"
+        )
+    d, qa = ctx.rng.choice(items)
+    depth = _pick_depth(ctx)
+    ctx.depth = depth
+    doc = rows[d]["input"]
+    at = doc.index(qa["S"])
+    question = f"Question: {qa['Q'].strip()}"
+
+    def build(n: int) -> _Draft:
+        n = min(max(n, len(qa["S"])), len(doc))
+        start = min(max(0, at - round(depth * (n - len(qa["S"])))), len(doc) - n)
+        end = start + n
+        while start > 0 and not doc[start - 1].isspace():  # whole words only
+            start += 1
+        while end < len(doc) and not doc[end].isspace():
+            end -= 1
+        window = doc[start:end].strip()
+        meta = {"depth": depth, "document": d, "title": rows[d].get("title", ""), "evidence": qa["S"]}
+        meta.update(needle_depths=[(at - start) / max(1, end - start)], metric="f1")
+        return _Draft(preamble + window, question, [qa["A"].strip()], "Answer:", meta)
+
+    return _Plan(build, n0=4 * ctx.target, slope=0.25, n_min=len(qa["S"]))
+
+
+_CODE_FILES = (
+    "_pydecimal.py", "typing.py", "argparse.py", "inspect.py", "tarfile.py", "subprocess.py",
+    "dataclasses.py", "enum.py", "configparser.py", "pickle.py", "logging/__init__.py", "zipfile/__init__.py",
+    "zipfile.py", "difflib.py", "smtplib.py", "imaplib.py", "ftplib.py", "pydoc.py", "shutil.py",
+)  # fmt: skip
+"""Long pure-Python standard-library modules the code task draws from (those this Python ships)."""
+
+_CALL = re.compile(r"(?:(?<![\w.])|(?<=\bself\.))([A-Za-z_]\w*)\s*\(")
+"""A call of a bare name or a method of ``self`` (calls on other objects name what the file may not define)."""
+_DEF = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w*)")
+_CODE_NEAR = 40
+"""The identifier a target line calls must be defined more than this many lines above it."""
+
+
+@lru_cache(maxsize=32)
+def _code_lines(path: str) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """Lines of a source file and its target candidates ``(line index, defining line index)``.
+
+    A candidate is a code line (16-100 characters, not a comment, decorator or string line) calling a
+    function or class defined in the same file more than :data:`_CODE_NEAR` lines above it: completing
+    it needs context from far back.
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    lines = tuple(text.splitlines())
+    in_string: set[int] = set()
+    with open(path, encoding="utf-8") as fh:
+        for tk in tokenize.generate_tokens(fh.readline):
+            if tk.type == tokenize.STRING and tk.end[0] > tk.start[0]:
+                in_string.update(range(tk.start[0] - 1, tk.end[0]))
+    defined: dict[str, int] = {}
+    out = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if (
+            i not in in_string
+            and 16 <= len(stripped) <= 100
+            and not stripped.startswith(("#", "@", "def ", "class ", "async def"))
+        ):
+            far = [defined[name] for name in _CALL.findall(stripped) if i - defined.get(name, i) > _CODE_NEAR]
+            if far:
+                out.append((i, max(far)))
+        m = _DEF.match(line)
+        if m and i not in in_string:
+            defined.setdefault(m.group(1), i)
+    return lines, tuple(out)
+
+
+def _code_files() -> list[Path]:
+    root = Path(sysconfig.get_path("stdlib"))
+    return [root / name for name in _CODE_FILES if (root / name).is_file()]
+
+
+def _build_code(ctx: _Ctx) -> _Plan:
+    """Code continuation: the lines of a CPython stdlib module before a target line; predict that line.
+
+    The target line calls a function or class defined far above it (see :func:`_code_lines`); the context
+    is as many preceding lines as fit. Scored by edit similarity of the first predicted line (as LCC and
+    RepoBench score next-line completion); ``meta["definition_in_context"]`` says whether the definition
+    made it into the window.
+    """
+    files = _code_files()
+    if not files:
+        raise TaskDataMissing("task 'code' needs the standard-library sources, which this Python does not ship")
+    rng = ctx.rng
+    path = rng.choice(files)
+    lines, candidates = _code_lines(str(path))
+    chars_per_token = 3.0
+    budget = ctx.target * chars_per_token
+    # Targets with enough file above them for the window, preferring definitions likely inside it.
+    above = list(accumulate(len(line) + 1 for line in lines))
+    fits = [(i, d) for i, d in candidates if above[i - 1] >= budget] if candidates else []
+    inside = [(i, d) for i, d in fits if above[i - 1] - above[d] < 0.8 * budget]
+    pool = inside or fits
+    if not pool:
+        raise ValueError(
+            f"context_tokens={ctx.target} is too long for task 'code': {path.name} has no target line with "
+            f"that much code above it; use a shorter context"
+        )
+    target_line, def_line = rng.choice(pool)
+    name = path.relative_to(path.parents[1] if path.name == "__init__.py" else path.parent)
+    preamble = f"Below is Python source code from the standard-library module {name}.\n\n"
+    question = "Question: What is the next line of the code above? Reply with that one line only."
+    gold = lines[target_line].strip()
+
+    def build(n: int) -> _Draft:
+        first = max(0, target_line - n)
+        body = "\n".join(lines[first:target_line])
+        meta = {"file": str(name), "line": target_line + 1, "first_line": first + 1, "metric": "edit_sim"}
+        meta.update(definition_line=def_line + 1, definition_in_context=first <= def_line)
+        return _Draft(preamble + body + "\n", question, [gold], "The next line is:\n```python\n", meta)
+
+    per_line = above[target_line - 1] / max(1, target_line) / chars_per_token
+    return _Plan(build, n0=int(ctx.target / per_line), slope=per_line, n_min=1)
+
+
 # --------------------------------------------------------------------------------------------
 # task registry and the generator entry point
 # --------------------------------------------------------------------------------------------
@@ -1087,6 +1376,36 @@ TASKS: dict[str, TaskSpec] = {
             uses_depth=False,
             max_new_tokens=50,
         ),
+        _spec(
+            "qa_quality",
+            "L-Eval QuALITY: multiple-choice question on a whole story among distractor stories",
+            _build_qa_quality,
+            default_haystack="quality",
+            haystacks=("quality",),
+            needs=(_QUALITY,),
+            max_new_tokens=8,
+            metric="choice",
+        ),
+        _spec(
+            "qa_loogle",
+            "LooGLE short-dependency QA on a Wikipedia article window holding the evidence (token F1)",
+            _build_qa_loogle,
+            default_haystack="article",
+            haystacks=("article",),
+            needs=(_LOOGLE,),
+            max_new_tokens=48,
+            metric="f1",
+        ),
+        _spec(
+            "code",
+            "next-line completion in a CPython stdlib module, the called name defined far above (edit sim.)",
+            _build_code,
+            default_haystack="source",
+            haystacks=("source",),
+            uses_depth=False,
+            max_new_tokens=48,
+            metric="edit_sim",
+        ),
     )
 }
 """All tasks by name."""
@@ -1155,6 +1474,7 @@ def make_sample(
         rng=random.Random(f"kvweave:{task}:{seed}"),
         haystack=hay,
         words=_words(data_dir),
+        data_dir=data_dir,
     )
     plan = spec.builder(ctx)
     tol = max(8, context_tokens // 1000) if tolerance is None else tolerance
