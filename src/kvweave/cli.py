@@ -335,7 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="full", help="comma-separated method specs")
     p.add_argument("--trials", type=int, default=3, help="trials per (task, length); depths spread 10-90%%")
     p.add_argument("--question-aware", action="store_true", help="put the question before compression")
-    p.add_argument("--haystack", help="haystack: pydoc (default), essays, repeat, code")
+    p.add_argument(
+        "--haystack",
+        help="filler for the tasks that take one: pydoc (default), essays, repeat, code; tasks that build "
+        "their own context (cwe, fwe, QA, code, niah_multikey_uuid) keep theirs",
+    )
     p.add_argument("--data", help="data folder for optional datasets (or set KVWEAVE_DATA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, help="override the task's answer length")

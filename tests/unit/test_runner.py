@@ -252,3 +252,19 @@ def test_build_prompt_without_chat_template_adds_bos_once() -> None:
 def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         small_config(**overrides)
+
+
+def test_config_haystack_applies_to_tasks_that_take_it() -> None:
+    cfg = small_config(tasks=["passkey", "cwe", "fwe"], haystack="essays")
+    assert cfg.haystack_for("passkey") == "essays"
+    assert cfg.haystack_for("cwe") is None and cfg.haystack_for("fwe") is None
+    with pytest.raises(ValueError, match=r"no task of this run takes haystack 'essays'.*'cwe': \('wordlist',\)"):
+        small_config(tasks=["cwe"], haystack="essays")
+
+
+def test_config_missing_task_data_fails_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVWEAVE_DATA", raising=False)
+    with pytest.raises(FileNotFoundError, match=r"task 'qa_quality' needs 'leval/quality.jsonl'.*none is configured"):
+        small_config(tasks=["qa_quality"])
+    with pytest.raises(FileNotFoundError, match=r"not found under .*pass --data DIR"):
+        small_config(tasks=["qa_loogle"], data_dir=str(tmp_path))

@@ -61,6 +61,24 @@ class EvalConfig:
                 raise ValueError(f"context length {context} is too short; use at least 64 tokens")
         for spec in self.methods:
             parse_method(spec)  # validates names and options before any model is loaded
+        if self.haystack is not None and not any(self.haystack_for(t) for t in self.tasks):
+            takes = {t: task_lib.TASKS[t].haystacks for t in self.tasks}
+            raise ValueError(f"no task of this run takes haystack {self.haystack!r}; haystacks by task: {takes}")
+        for task in self.tasks:  # missing data files fail here, not after the model has loaded
+            spec_t = task_lib.TASKS[task]
+            root = task_lib.resolve_data_dir(self.data_dir)
+            for need in spec_t.needs:
+                if root is None or not (root / need).exists():
+                    raise task_lib.TaskDataMissing(
+                        f"task {task!r} needs {need!r} from the evaluation-data folder "
+                        f"({'none is configured' if root is None else f'not found under {root}'}): "
+                        f"pass --data DIR or set {task_lib.DATA_ENV}"
+                    )
+
+    def haystack_for(self, task: str) -> str | None:
+        """The haystack ``task`` is built with: ``haystack`` when the task takes it, else its own default."""
+        spec = task_lib.TASKS[task]
+        return self.haystack if self.haystack in spec.haystacks else None
 
 
 @dataclasses.dataclass
@@ -210,6 +228,9 @@ def run_trial(
         "depth": round(trial.depth, 3),
         "seed": trial.seed,
         "question_aware": config.question_aware,
+        "haystack": sample.meta.get("haystack"),
+        "metric": spec.metric,
+        "max_new_tokens": max_new,
         "score": task_lib.score(sample, prediction),
         "prediction": prediction,
         "answers": sample.answers,
@@ -354,7 +375,7 @@ def run(
                 trial.context,
                 depth=trial.depth,
                 seed=trial.seed,
-                haystack=config.haystack,
+                haystack=config.haystack_for(trial.task),
                 data_dir=config.data_dir,
             )
         row = run_trial(model, tokenizer, config, trial, samples[sample_key], shared)
