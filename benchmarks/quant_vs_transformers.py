@@ -5,13 +5,16 @@ Not a test: a benchmark script that writes results. One random-weight model with
 ``--new-tokens`` tokens are decoded greedily, one forward per token, with each cache:
 
 - ``full``: transformers' ``DynamicCache`` (the speed reference: every row carries ``speed_vs_full``),
-- ``kvweave:quant:bits=4``: kvweave's chunked online-softmax attention over packed 4-bit blocks,
+- ``kvweave:quant:bits=4,kernel=cpp``: kvweave's attention over packed 4-bit blocks in its fused C++ CPU
+  kernel (scores and weighted values straight from the codes), and ``kernel=torch``, the same in plain torch
+  (unpack a chunk, matmul, online softmax),
 - ``transformers:QuantizedCache:<backend>:4``: transformers' quantized cache (dequantizes the whole cache
   every step), with the ``quanto`` backend (``pip install optimum-quanto``) or else ``hqq``; when neither
   is installed the script says so and measures the other two.
 
 Both quantized caches use the same settings: 4 bits, 32-element groups, a 128-token exact residual.
-Each measurement warms up, repeats ``--repeats`` times on a fresh cache, and reports the median decode
+Each method warms up, then every method runs once per round for ``--repeats`` rounds (interleaved, so
+background load hits all alike), each on a fresh cache; rows report the median decode
 tokens/s, the prefill seconds and the KV bytes held (kvweave's ``nbytes``; ``None`` for transformers'
 cache, whose quanto tensors do not expose their packed size). Rows are appended to ``--out`` (JSONL), with
 the hardware and versions. Usage::
@@ -107,17 +110,28 @@ def kv_bytes(cache: Any) -> int | None:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def measure(model: Any, name: str, context: int, new_tokens: int, repeats: int, device: str) -> dict[str, Any]:
-    """Median over ``repeats`` runs after one short warm-up run (random token ids: speed does not depend on them)."""
+def measure_all(model: Any, names: list[str], context: int, new_tokens: int, repeats: int,
+                device: str) -> dict[str, dict[str, Any]]:
+    """Per method, medians over ``repeats`` runs after one short warm-up run each. The repeats are interleaved
+    (every method once per round), so a change in background load hits all methods alike. Random token
+    ids: speed does not depend on them."""
     vocab = min(LAYOUT["vocab_size"], model.config.vocab_size)
     ids = torch.randint(3, vocab, (1, context), generator=torch.Generator().manual_seed(context))
     ids = ids.to(device)
-    run_once(model, name, ids[:, : min(context, 256)], 2, device)  # warm-up
-    runs = [run_once(model, name, ids, new_tokens, device) for _ in range(repeats)]
+    for name in names:
+        run_once(model, name, ids[:, : min(context, 256)], 2, device)  # warm-up
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            runs[name].append(run_once(model, name, ids, new_tokens, device))
     return {
-        "prefill_s": statistics.median(r["prefill_s"] for r in runs),
-        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-        "kv_bytes": runs[-1]["kv_bytes"],
+        name: {
+            "prefill_s": statistics.median(r["prefill_s"] for r in rs),
+            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+            "decode_tok_s_all": [round(r["decode_tok_s"], 3) for r in rs],
+            "kv_bytes": rs[-1]["kv_bytes"],
+        }
+        for name, rs in runs.items()
     }
 
 
@@ -146,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
                                                            else torch.float32)
     backend = transformers_backend()
-    methods = ["full", f"kvweave:quant:bits={BITS},group={GROUP},residual={RESIDUAL}"]
+    kvweave_quant = f"kvweave:quant:bits={BITS},group={GROUP},residual={RESIDUAL}"
+    methods = ["full", f"{kvweave_quant},kernel=cpp", f"{kvweave_quant},kernel=torch"]
     if backend is None:
         print("transformers' QuantizedCache needs optimum-quanto or hqq; neither is installed "
               "(pip install optimum-quanto). Measuring full and kvweave only.")
@@ -157,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device, dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for context in (int(c) for c in args.context.split(",") if c.strip()):
-        reference = None
-        for name in methods:
-            result = measure(model, name, context, args.new_tokens, args.repeats, args.device)
-            reference = reference or result["decode_tok_s"]
+        results = measure_all(model, methods, context, args.new_tokens, args.repeats, args.device)
+        reference = results["full"]["decode_tok_s"]
+        for name, result in results.items():
             row = {"benchmark": "quant_vs_transformers", "method": name, "context": context,
                    "new_tokens": args.new_tokens, "repeats": args.repeats, **result,
                    "speed_vs_full": result["decode_tok_s"] / reference,

@@ -138,7 +138,10 @@ def test_group_that_does_not_fit_head_dim_is_refused():
     model = tiny_model("llama")  # head_dim 16
     with pytest.raises(ValueError, match="group"):
         kvweave.make_cache("quant:group=12", model)
-    assert parse_method("quant").options() == {"bits": 4, "group": 32, "residual": 128, "chunk": 4096}
+    assert parse_method("quant").options() == {"bits": 4, "group": 32, "residual": 128, "chunk": 4096,
+                                               "kernel": "auto"}
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kvweave.make_cache("quant:bits=2,group=6", model)
 
 
 def test_beam_reorder_keeps_rows_consistent():

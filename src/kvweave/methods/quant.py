@@ -7,12 +7,15 @@ tokens have left that window they are quantized as one block, so the exact tail 
 ``residual`` and ``residual + group - 1`` tokens. Codes are packed into ``uint8`` (one 8-bit, two 4-bit or
 four 2-bit codes per byte) with ``float16`` scales and minima, and ``nbytes`` counts exactly that storage.
 
-Attention never materialises the dequantized cache: blocks are dequantized a chunk (``chunk`` tokens) at a
-time and combined with an online softmax (running max and sum, as in FlashAttention), then the exact tail
-is added the same way. Prefill attention is exact; quantization happens as the prompt is stored.
-Measured (``benchmarks/quant_vs_transformers.py``, CPU, 1K tokens, random Llama layout): decoding is
-about 3x slower than ``full`` (unpacking and dequantizing each step in plain torch; KIVI's speed-ups need
-fused kernels) but about 2x faster than transformers' ``QuantizedCache`` (quanto), at ~3.7x less KV memory.
+Attention never materialises the dequantized cache. During decoding, on the CPU, a fused C++ kernel
+(:mod:`kvweave.kernels.cpu_quant`, ``kernel="cpp"``, built on first use) scores the query against the packed
+key codes with the per-channel scales and minima folded into the query, and sums the softmax weights times
+the values decoded row by row; the softmax runs in torch between the two. The torch path (``kernel="torch"``,
+and the fallback of ``"auto"`` where no compiler is available or the cache is on an accelerator) unpacks a
+chunk (``chunk`` tokens) at a time and combines chunks with an online softmax (running max and sum, as in
+FlashAttention); it is the reference the kernel is tested against. Either way the exact tail is added the
+same way, and prefill attention is exact; quantization happens as the prompt is stored. Speed against
+``full`` and transformers' ``QuantizedCache``: ``benchmarks/quant_vs_transformers.py`` (docs/findings.md).
 
 Batches: each row's blocks start at its first real token (left padding is dropped when the prompt is
 stored), so a padded batch row quantizes exactly the blocks of its single-row run. Blocks are unordered
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvweave._compat import mask_to_bool, sdpa_attention
 from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
+from kvweave.kernels import cpu_quant
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -43,6 +48,8 @@ class Quant(Method):
     group: int = option(32, "tokens per key block and channels per value group")
     residual: int = option(128, "most recent tokens kept exact")
     chunk: int = option(4096, "tokens dequantized at a time during attention")
+    kernel: str = option("auto", "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'torch' "
+                                 "(the reference), or 'auto' (cpp on CPU when it builds, else torch)")
 
     test_options = {"bits": 4, "group": 8, "residual": 8, "chunk": 16}
     invalid_options = (({"bits": 3}, "bits"), ({"group": 0}, "group"), ({"residual": -1}, "residual"),
@@ -53,10 +60,14 @@ class Quant(Method):
         self.check_range("group", 1)
         self.check_range("residual", 0)
         self.check_range("chunk", 1)
+        self.check_choice("kernel", ["auto", "cpp", "torch"])
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> QuantLayer:
         head_dim = cache.head_dim
         channel_group = min(self.group, head_dim)
+        if self.group % (8 // self.bits):
+            raise ValueError(f"{self.name}: option group={self.group!r} with bits={self.bits} must be a multiple of "
+                             f"{8 // self.bits} (key codes are packed {8 // self.bits} tokens per byte)")
         if head_dim % channel_group or head_dim % (8 // self.bits):
             raise ValueError(f"{self.name}: option group={self.group!r} with bits={self.bits} does not fit head_dim "
                              f"{head_dim}; use a group that divides it (e.g. 32, 64 or {head_dim})")
@@ -109,12 +120,35 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.view(*packed.shape[:-1], -1)
 
 
+def pack_split(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 ``codes`` (< 2**bits) along the last dimension (length L) in split order: byte ``i`` holds
+    codes ``i, i + L/P, i + 2L/P, ...`` (``P = 8 // bits``), so unpacking concatenates contiguous runs."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    parts = codes.to(torch.int32).view(*codes.shape[:-1], per_byte, -1)
+    shifts = (torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits).view(-1, 1)
+    return (parts << shifts).sum(-2).to(torch.uint8)
+
+
+def unpack_split(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_split`."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * k)) & mask for k in range(per_byte)], dim=-1)
+
+
 @dataclasses.dataclass
 class Blocks:
     """``n`` quantized blocks of ``G`` tokens for every row: packed codes + float16 scales and minima.
 
-    ``key_codes, value_codes: [B, H, n, G, D*bits/8]`` uint8; ``key_scale, key_min: [B, H, n, 1, D]``
-    (per channel); ``value_scale, value_min: [B, H, n, G, D/group]`` (per token and channel group).
+    ``key_codes: [B, H, n, D, G*bits/8]`` uint8, channel-major and packed along the block's tokens in split
+    order (:func:`pack_split`), so a channel's codes unpack to a contiguous run of tokens;
+    ``value_codes: [B, H, n, G, D*bits/8]`` uint8, packed along channels (:func:`pack`);
+    ``key_scale, key_min: [B, H, n, 1, D]`` (per channel); ``value_scale, value_min: [B, H, n, G, D/group]``
+    (per token and channel group).
     """
 
     key_codes: torch.Tensor
@@ -145,7 +179,7 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
     key_codes, key_scale, key_min = quantize(keys, 3, bits)  # per channel, over the block's tokens
     grouped = values.reshape(b, h, n, g, d // channel_group, channel_group)
     value_codes, value_scale, value_min = quantize(grouped, 5, bits)  # per token, per channel group
-    return Blocks(pack(key_codes, bits), key_scale, key_min,
+    return Blocks(pack_split(key_codes.transpose(-1, -2), bits), key_scale, key_min,
                   pack(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
 
 
@@ -157,11 +191,11 @@ def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
     """``q·k`` over quantized key blocks without dequantizing the keys: per-channel scales and minima fold
     into the query, ``q·(c⊙s + m) = (q⊙s)·c + q·m``. ``query: [B, H, R, D]`` float32 -> ``[B, H, R, n*G]``."""
-    codes = unpack_float(blocks.key_codes, bits)  # [B, H, n, G, D]
-    b, h, n, g, d = codes.shape
+    codes = unpack_split(blocks.key_codes, bits).float()  # [B, H, n, D, G]
+    b, h, n, d, g = codes.shape
     scale, minimum = blocks.key_scale.float().squeeze(3), blocks.key_min.float().squeeze(3)  # [B, H, n, D]
     scaled = query.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, n, R, D]
-    logits = scaled @ codes.transpose(-1, -2)  # [B, H, n, R, G]
+    logits = scaled @ codes  # [B, H, n, R, G]
     logits = logits + (minimum @ query.transpose(-1, -2)).unsqueeze(-1)  # + q·m per block
     return logits.permute(0, 1, 3, 2, 4).reshape(b, h, query.shape[2], n * g)
 
@@ -176,7 +210,8 @@ def dequantize_values(blocks: Blocks, bits: int) -> torch.Tensor:
 
 def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`Blocks` -> float32 ``keys, values: [B, H, n*G, D]``."""
-    keys = dequantize(unpack_float(blocks.key_codes, bits), blocks.key_scale, blocks.key_min)
+    codes = unpack_split(blocks.key_codes, bits).transpose(-1, -2)  # [B, H, n, G, D]
+    keys = dequantize(codes, blocks.key_scale, blocks.key_min)
     b, h, n, g, d = keys.shape
     return keys.reshape(b, h, n * g, d), dequantize_values(blocks, bits)
 
@@ -203,13 +238,20 @@ class OnlineSoftmax:
 
     def add_logits(self, logits: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
         """Attend with precomputed ``q·k`` logits ``[B, H, R, T]`` (unscaled) to ``values: [B, H, T, D]``."""
-        logits = (logits * self.scaling).masked_fill(~visible, float("-inf"))
+        self.add_scaled(logits * self.scaling, visible, lambda weights: weights @ values.float())
+
+    def add_scaled(self, logits: torch.Tensor, visible: torch.Tensor | None,
+                   weighted: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Attend with scaled logits ``[B, H, R, T]`` (``visible: [B, H or 1, R, T]``, ``None``: all visible);
+        ``weighted(weights)`` returns ``weights @ values`` ``[B, H, R, D]`` for the chunk's values."""
+        if visible is not None:
+            logits = logits.masked_fill(~visible, float("-inf"))
         maximum = torch.maximum(self.maximum, logits.amax(-1, keepdim=True))
         safe = torch.where(torch.isinf(maximum), 0.0, maximum)  # no visible entry yet: nothing to rescale
         correction = torch.exp(self.maximum - safe)
         weights = torch.exp(logits - safe)
         self.total = self.total * correction + weights.sum(-1, keepdim=True)
-        self.out = self.out * correction + weights @ values.float()
+        self.out = self.out * correction + weighted(weights)
         self.maximum = maximum
 
     def result(self) -> torch.Tensor:
@@ -236,6 +278,8 @@ class QuantLayer(CompressedLayer):
         self.bits, self.group, self.residual = method.bits, method.group, method.residual
         self.channel_group = min(method.group, cache.head_dim)
         self.blocks_per_segment = max(1, method.chunk // method.group)
+        self.kernel_choice = method.kernel
+        self.kernel_used: str | None = None
         self.segments: list[Blocks] = []
         # shaped for the batch in lazy_initialization (first update)
         self.recent_keys = self.recent_values = torch.empty(0)
@@ -370,10 +414,19 @@ class QuantLayer(CompressedLayer):
         packed = query.reshape(b, h, groups * q_len, d).float()  # query heads of a group along the rows
         softmax = OnlineSoftmax(packed, scaling if scaling is not None else d ** -0.5)
         offsets = torch.arange(self.group, device=self.device)
+        fused = self.use_kernel()
         for index, segment in enumerate(self.segments):
             starts = self.segment_starts(index)
             slots = (starts.unsqueeze(-1) + offsets).view(b, -1)  # [B, n*G] token index of each entry
             valid = (starts >= 0).repeat_interleave(self.group, dim=1)
+            if fused:
+                everything = attention_mask is None and q_len == 1 and bool(valid.all())
+                seen = None if everything else self.visible(attention_mask, slots, valid, first, q_len, groups)
+                logits = cpu_quant.block_logits(packed, segment.key_codes, segment.key_scale, segment.key_min,
+                                                self.bits, softmax.scaling)
+                softmax.add_scaled(logits, seen, lambda w, s=segment: cpu_quant.weighted_values(
+                    w, s.value_codes, s.value_scale, s.value_min, self.bits))
+                continue
             softmax.add_logits(block_logits(packed, segment, self.bits), dequantize_values(segment, self.bits),
                                self.visible(attention_mask, slots, valid, first, q_len, groups))
         slots, valid = self.recent_slots()
@@ -381,6 +434,23 @@ class QuantLayer(CompressedLayer):
                     self.visible(attention_mask, slots, valid, first, q_len, groups))
         out = softmax.result().view(b, hq, q_len, d)
         return out.transpose(1, 2).contiguous().to(query.dtype)
+
+    def use_kernel(self) -> bool:
+        """Whether attention over the blocks runs in the fused C++ kernel (see ``kernel`` option)."""
+        if self.kernel_choice == "torch" or (self.kernel_choice == "auto" and self.device.type != "cpu"):
+            self.kernel_used = "torch"
+            return False
+        if self.device.type != "cpu":
+            raise ValueError(f"quant: kernel='cpp' runs on the CPU only, but the cache is on {self.device}; "
+                             "use kernel='torch' or 'auto'")
+        if cpu_quant.load() is None:
+            if self.kernel_choice == "cpp":
+                raise RuntimeError(f"quant: kernel='cpp' cannot be built here ({cpu_quant.unavailable_reason()}); "
+                                   "use kernel='torch' or 'auto'")
+            self.kernel_used = "torch"
+            return False
+        self.kernel_used = "cpp"
+        return True
 
     def visible(self, attention_mask: torch.Tensor | None, slots: torch.Tensor, valid: torch.Tensor, first: int,
                 q_len: int, groups: int) -> torch.Tensor:
@@ -430,7 +500,7 @@ class QuantLayer(CompressedLayer):
         blocks = int((self.block_start >= 0).sum(dim=1).max()) if self.block_start.numel() else 0
         exact = int(self.recent_count.max()) if self.recent_count.numel() else 0
         return {"entries": self.entries(), "quantized_tokens": blocks * self.group, "exact_tokens": exact,
-                "bits": self.bits}
+                "bits": self.bits, "kernel": self.kernel_used}
 
 
 def prompt_padding(attention_mask: torch.Tensor | None, rows: int, tokens: int, device: torch.device) -> torch.Tensor:
