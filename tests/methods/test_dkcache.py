@@ -352,3 +352,35 @@ def test_eval_rows_record_entries_attended_per_step(model):
     assert attended_entries(full) is None
     attended = attended_entries(cache)
     assert attended is not None and 12 <= attended <= 2 + 12 + 1 < 63  # sinks + steady bound + the new token
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(40, 7), (40, 64), (23, 5)])
+def test_fast_compensated_prefill_equals_reference(model, monkeypatch, n, chunk):
+    """The fused-kernel prefill (bulk / boundary / neighbour parts merged by log-sum-exp) against the chunked
+    reference, beyond the trained range, for chunkings that do and do not align with it."""
+    torch.manual_seed(3)
+    ids = torch.randint(3, 150, (1, n))
+    spec = "dkcache:core=4,steady=12,page=4,pages=100,sinks=2,trained_length=16"
+    outs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(dkcache, "FAST_PREFILL", fast)
+        monkeypatch.setattr(dkcache, "FLASH_CHUNK", chunk)
+        monkeypatch.setattr(dkcache, "CHUNK_ELEMENTS", 4 * 40 * 12)
+        cache = kvweave.make_cache(spec, model)
+        with torch.no_grad():
+            logits = model(ids, **{cache_kwarg(model): cache}).logits
+        assert cache.layers[0].groups[0] > 1
+        outs[fast] = (logits, cache.layers[0].last_entropy)
+    torch.testing.assert_close(outs[True][0], outs[False][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[True][1], outs[False][1], atol=1e-5, rtol=1e-5)
+
+
+def test_fast_prefill_part_sees_nothing_gives_no_weight():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, :2] = True
+    out, lse = dkcache._flash_part(q, k, k, mask, 0.3)
+    assert torch.isinf(lse.view(1, 2, 2, 3)[..., 1:]).all() and torch.isfinite(lse.view(1, 2, 2, 3)[..., 0]).all()
+    other = dkcache._flash_part(q, k, k, None, 0.3)
+    merged = dkcache._merge_parts([(out, lse), other, None])
+    torch.testing.assert_close(merged.view(1, 2, 2, 3, 8)[..., 1:, :], other[0].view(1, 2, 2, 3, 8)[..., 1:, :])

@@ -72,6 +72,11 @@ INT4_REFUSED = (
 )
 # Elements of one block of attention logits (float32) during a compensated prefill: ~128 MiB.
 CHUNK_ELEMENTS = 1 << 25
+FAST_PREFILL = True
+"""Compensated prefill of an unpadded prompt on the CPU through :func:`flash_remapped_prefill` (the chunked
+:func:`remapped_attention` is the reference, and the path for padded batches and accelerators)."""
+FLASH_CHUNK = 1024
+"""Queries per chunk of :func:`flash_remapped_prefill`."""
 
 
 @register("dkcache")
@@ -332,6 +337,83 @@ def remapped_attention(q_exact: torch.Tensor, q_grouped: torch.Tensor | None, k_
     count = seen[:, :, :, -1, :].sum(-1).expand_as(entropy).float()
     normalised = torch.where(count > 1, entropy / count.clamp(min=2).log(), torch.zeros_like(entropy))
     return out.transpose(1, 2).contiguous(), normalised.flatten(1).mean(1)
+
+
+def _flash_part(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of ``query: [B, Hq, c, D]`` over ``keys, values: [B, H, S, D]`` (``mask: [c, S]`` bool or
+    ``None``) in torch's fused CPU kernel: output ``[B, H, groups*c, D]`` (query heads of a KV head packed
+    along the rows) and its log-sum-exp ``[B, H, groups*c]`` (``-inf`` for a row that sees nothing)."""
+    b, hq, c, d = query.shape
+    h, length = keys.shape[1], keys.shape[2]
+    if length == 0:
+        return None
+    groups = hq // h
+    packed = query.reshape(b, h, groups * c, d)
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        additive = additive.masked_fill_(~mask, float("-inf")).repeat(groups, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        packed, keys.to(query.dtype), values.to(query.dtype), 0.0, False, attn_mask=additive, scale=scaling)
+    if mask is not None:
+        lse = lse.masked_fill(~mask.any(-1).repeat(groups), float("-inf"))
+    return out, lse
+
+
+def _merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+    """Softmax over the union of the parts' keys, from each part's output and log-sum-exp."""
+    real = [p for p in parts if p is not None]
+    top = torch.stack([lse for _, lse in real]).amax(0)
+    top = torch.where(torch.isinf(top), 0.0, top)
+    weights = [torch.exp(lse - top).unsqueeze(-1) for _, lse in real]
+    total = sum(weights[1:], weights[0])
+    out = sum((w * o.float() for w, (o, _) in zip(weights[1:], real[1:], strict=True)), weights[0] * real[0][0].float())
+    return out / total.clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def flash_remapped_prefill(q_exact: torch.Tensor, q_grouped: torch.Tensor, k_exact: torch.Tensor,
+                           k_grouped: torch.Tensor, values: torch.Tensor, window: int, trained: int,
+                           scaling: float, chunk: int) -> torch.Tensor | None:
+    """:func:`remapped_attention` over a whole unpadded prompt (positions ``0..n-1``), in fused CPU kernels.
+
+    Per chunk of queries ``[low, high)`` that lies beyond the trained range, three parts merged by their
+    log-sum-exp: grouped positions over the keys far from every query of the chunk (no mask), grouped over
+    the boundary keys (``j <= i - window``) and exact over the neighbours (``i - window < j <= i``); inside
+    the trained range exact causal attention (bulk + diagonal). Nothing ``n x n`` is materialised, which makes
+    a 16K compensated prefill minutes instead of half an hour on a CPU. Returns ``[B, n, Hq, D]``, or ``None``
+    if the kernel is not available (accelerators: the caller then uses :func:`remapped_attention`).
+    """
+    if q_exact.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return None
+    b, hq, n, d = q_exact.shape
+    h = k_exact.shape[1]
+    groups = hq // h
+    outputs = []
+    device = q_exact.device
+    starts = sorted(set(range(0, n, chunk)) | ({trained} if 0 < trained < n else set()))  # no chunk straddles
+    for low, high in zip(starts, starts[1:] + [n], strict=True):
+        rows = torch.arange(low, high, device=device).view(-1, 1)
+        if high <= trained:  # every query inside the trained range: exact and causal
+            diag = torch.arange(low, high, device=device).view(1, -1) <= rows
+            parts = [_flash_part(q_exact[:, :, low:high], k_exact[:, :, :low], values[:, :, :low], None, scaling),
+                     _flash_part(q_exact[:, :, low:high], k_exact[:, :, low:high], values[:, :, low:high], diag,
+                                 scaling)]
+        else:
+            cut, edge = max(0, low - window + 1), max(0, high - window + 1)
+            far_cols = torch.arange(cut, edge, device=device).view(1, -1)
+            near_cols = torch.arange(cut, high, device=device).view(1, -1)
+            parts = [
+                _flash_part(q_grouped[:, :, low:high], k_grouped[:, :, :cut], values[:, :, :cut], None, scaling),
+                _flash_part(q_grouped[:, :, low:high], k_grouped[:, :, cut:edge], values[:, :, cut:edge],
+                            far_cols <= rows - window, scaling),
+                _flash_part(q_exact[:, :, low:high], k_exact[:, :, cut:high], values[:, :, cut:high],
+                            (near_cols <= rows) & (near_cols > rows - window), scaling),
+            ]
+        c = high - low
+        out = _merge_parts(parts).view(b, h, groups, c, d).reshape(b, hq, c, d)
+        outputs.append(out.to(q_exact.dtype))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------- storage
@@ -759,6 +841,16 @@ class DKCacheLayer(CompressedLayer):
         key_grouped = self.table.rotate(stored, positions // groups.view(-1, 1)) if self.table else None
         query_grouped = self._grouped_query(query, positions, groups)
         b, hq, n, _ = query.shape
+        if FAST_PREFILL and key_grouped is not None and contiguous and max(self.pad) == 0:
+            fast = flash_remapped_prefill(query, query_grouped, key, key_grouped, value, self.core_size,
+                                          self.trained, scaling, FLASH_CHUNK)
+            if fast is not None:
+                last = self._prefill_visible(attention_mask, n, n - 1, n)
+                near = is_near(positions[:, -1:].unsqueeze(-1), positions.unsqueeze(1), self.core_size,
+                               self.trained).unsqueeze(1)
+                _, self.last_entropy = remapped_attention(query[:, :, -1:], query_grouped[:, :, -1:], key,
+                                                          key_grouped, value, last, near, scaling)
+                return fast
         chunk = max(1, CHUNK_ELEMENTS // max(1, 2 * b * hq * n))
         outputs = []
         for low in range(0, n, chunk):
