@@ -477,3 +477,12 @@ def test_kvpress_protocol_matches_generate_on_an_uncompressed_cache(llama) -> No
     # 16-bit reference for 48 + 5 tokens fed, 3 layers, 2 kv heads x 16 dims for K and V; held in fp32
     assert result["full_kv_bytes"] == 3 * (2 * 2 * 16) * 53 * 2
     assert result["kv_bytes"] == 2 * result["full_kv_bytes"]
+
+
+def test_metric_note_names_scores_that_are_not_accuracy() -> None:
+    from kvweave.report import data
+
+    note = data.metric_note(["passkey", "code", "qa_loogle", "qa_quality"])
+    assert note is not None and "code: mean edit similarity" in note and "qa_loogle: mean token F1" in note
+    assert "passkey" not in note
+    assert data.metric_note(["passkey", "niah_single"]) is None

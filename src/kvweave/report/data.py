@@ -190,6 +190,23 @@ def overview(summary: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, A
     return tasks, sorted(lines, key=lambda line: (str(line["model"]), method_order(line["method"])))
 
 
+METRIC_WORDS = {
+    "choice": "multiple-choice accuracy",
+    "f1": "mean token F1 against the reference answer",
+    "edit_sim": "mean edit similarity of the predicted line",
+}
+
+
+def metric_note(task_names: Iterable[str]) -> str | None:
+    """A sentence naming the score of each task not scored by exact-match accuracy (None if there is none)."""
+    from kvweave.eval.tasks import TASKS
+
+    names = {label.split(" ")[0] for label in task_names}
+    parts = [f"{name}: {METRIC_WORDS[TASKS[name].metric]}" for name in sorted(names)
+             if name in TASKS and TASKS[name].metric in METRIC_WORDS]
+    return "Scores other than recall accuracy: " + "; ".join(parts) + "." if parts else None
+
+
 def column_label(task: str, context: int) -> str:
     """``passkey 4K`` (contexts that are whole multiples of 1024 in K, others in tokens)."""
     return f"{task} {context // 1024}K" if context % 1024 == 0 else f"{task} {context}"

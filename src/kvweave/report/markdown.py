@@ -98,6 +98,9 @@ def render(runs: list[Run]) -> str:
         overview_markdown(summary),
         "",
     ]
+    note = data.metric_note(entry["task"] for entry in summary)
+    if note:
+        parts[4:4] = [note, ""]
     for run, run_entries in zip(runs, summaries, strict=True):
         parts += [run_markdown(run, run_entries), ""]
     return "\n".join(parts)

@@ -270,6 +270,7 @@ def render(runs: list[Run]) -> str:
         '<p class="note">Accuracy per task (mean over context lengths and trials), mean compression, KV '
         "memory at the longest context, and median decode speed as a ratio against <code>full</code> "
         "in the same run.</p>",
+        *([f'<p class="note">{escape(note)}</p>'] if (note := data.metric_note(r["task"] for r in summary)) else []),
         overview_table(summary),
         "</section>",
         heatmap_section(rows),
