@@ -1065,7 +1065,7 @@ _OPTION = re.compile(r"^\s*\(([A-D])\)")
 
 def _quality_items(path: Path) -> list[tuple[int, int]]:
     """(document, question) pairs of L-Eval QuALITY whose answer names one option letter."""
-    items = []
+    items: list[tuple[int, int]] = []
     for d, row in enumerate(_read_jsonl(str(path))):
         try:
             pairs = list(zip(row["instructions"], row["outputs"], strict=True))
@@ -1122,7 +1122,7 @@ def _build_qa_quality(ctx: _Ctx) -> _Plan:
 
 def _loogle_items(path: Path) -> list[tuple[int, dict[str, str]]]:
     """(document, QA pair) of LooGLE short-dependency QA whose evidence sentence occurs in the document."""
-    items = []
+    items: list[tuple[int, dict[str, str]]] = []
     for d, row in enumerate(_read_jsonl(str(path))):
         try:
             pairs = ast.literal_eval(row["qa_pairs"])

@@ -25,6 +25,7 @@ slots (softmax does not care about order) that record the token index they start
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -214,6 +215,11 @@ def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Te
     keys = dequantize(codes, blocks.key_scale, blocks.key_min)
     b, h, n, g, d = keys.shape
     return keys.reshape(b, h, n * g, d), dequantize_values(blocks, bits)
+
+
+def _fused_values(weights: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
+    """``weights @ values`` of ``blocks`` in the C++ kernel."""
+    return cpu_quant.weighted_values(weights, blocks.value_codes, blocks.value_scale, blocks.value_min, bits)
 
 
 # ---------------------------------------------------------------------------------------------- online softmax
@@ -424,8 +430,8 @@ class QuantLayer(CompressedLayer):
                 seen = None if everything else self.visible(attention_mask, slots, valid, first, q_len, groups)
                 logits = cpu_quant.block_logits(packed, segment.key_codes, segment.key_scale, segment.key_min,
                                                 self.bits, softmax.scaling)
-                softmax.add_scaled(logits, seen, lambda w, s=segment: cpu_quant.weighted_values(
-                    w, s.value_codes, s.value_scale, s.value_min, self.bits))
+                softmax.add_scaled(logits, seen, functools.partial(
+                    _fused_values, blocks=segment, bits=self.bits))
                 continue
             softmax.add_logits(block_logits(packed, segment, self.bits), dequantize_values(segment, self.bits),
                                self.visible(attention_mask, slots, valid, first, q_len, groups))
