@@ -43,3 +43,16 @@ def test_eval_passkey_runs_and_reports_bytes(smollm, tmp_path):
     assert summary["full"]["compression"] == pytest.approx(0.5)  # fp32 held vs 16-bit reference
     assert summary["window:window=128"]["kv_bytes"] < summary["full"]["kv_bytes"] / 3
     assert (tmp_path / "rows.jsonl").exists() and (tmp_path / "config.json").exists()
+    assert {r["metric"] for r in rows} == {"string_match_all"} and {r["haystack"] for r in rows} == {"repeat"}
+    assert {r["max_new_tokens"] for r in rows} == {16}
+
+
+def test_eval_code_task_on_the_real_model(smollm, tmp_path):
+    """The code-continuation task end to end: a scored row with the edit-similarity metric."""
+    from kvweave.eval import runner
+
+    config = runner.EvalConfig(model="smollm2-135m", tasks=["code"], contexts=[512], methods=["full"], trials=1,
+                               max_new_tokens=12)
+    (row,) = runner.run(config, out_dir=tmp_path, progress=False, model_and_tokenizer=smollm)
+    assert row["metric"] == "edit_sim" and 0.0 <= row["score"] <= 1.0 and row["max_new_tokens"] == 12
+    assert row["answers"] and row["prediction"]
