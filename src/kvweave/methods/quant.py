@@ -184,11 +184,6 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
                   pack(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
 
 
-def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`unpack` as float32 (masks on uint8, one interleave, one cast: the decode-time path)."""
-    return unpack(packed, bits).float()
-
-
 def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
     """``q·k`` over quantized key blocks without dequantizing the keys: per-channel scales and minima fold
     into the query, ``q·(c⊙s + m) = (q⊙s)·c + q·m``. ``query: [B, H, R, D]`` float32 -> ``[B, H, R, n*G]``."""
@@ -204,7 +199,7 @@ def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor
 def dequantize_values(blocks: Blocks, bits: int) -> torch.Tensor:
     """float32 ``values: [B, H, n*G, D]`` of quantized blocks."""
     b, h, n, g, _ = blocks.value_codes.shape
-    codes = unpack_float(blocks.value_codes, bits).view(b, h, n, g, blocks.value_scale.shape[-1], -1)
+    codes = unpack(blocks.value_codes, bits).float().view(b, h, n, g, blocks.value_scale.shape[-1], -1)
     values = dequantize(codes, blocks.value_scale.unsqueeze(-1), blocks.value_min.unsqueeze(-1))
     return values.reshape(b, h, n * g, -1)
 
