@@ -126,7 +126,9 @@ def test_uniform_shift_leaves_attention_unchanged_tier_shift_does_not():
 def test_running_steady_mean_tracks_the_tier(model, batch):
     _, cache = _run(model, batch, SMALL + ",bits=8")
     layer = cache.layers[0]
-    keys, _, _ = layer.steady_tier.read(torch.float32)
+    keys, _, positions = layer.steady_tier.read(torch.float32)
+    assert layer.rotated  # inside the trained range keys are held post-RoPE; the mean is pre-RoPE
+    keys = layer.table.unrotate(keys, positions)
     slots = torch.arange(layer.steady_tier.first_slot, layer.steady_tier.first_slot + keys.shape[2])
     real = slots.view(1, -1) >= layer.pad_count.view(-1, 1)
     torch.testing.assert_close(layer.steady_mean().float(), steady_mean(keys, real), atol=1e-5, rtol=1e-5)
@@ -384,3 +386,44 @@ def test_fast_prefill_part_sees_nothing_gives_no_weight():
     other = dkcache._flash_part(q, k, k, None, 0.3)
     merged = dkcache._merge_parts([(out, lse), other, None])
     torch.testing.assert_close(merged.view(1, 2, 2, 3, 8)[..., 1:, :], other[0].view(1, 2, 2, 3, 8)[..., 1:, :])
+
+
+@pytest.mark.parametrize("options", ["", ",key_storage=post_rope", ",bits=8", ",retrieve=entropy,entropy_threshold=0.1",
+                                     ",profile=code,far_dtype=int8"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fast_decode_equals_general_path(model, batch, monkeypatch, options, padded):
+    """Decode at exact positions (logits per tier, decoupling as a bias) against the general path (tiers
+    concatenated), both holding keys post-RoPE; and holding them post-RoPE against holding them pre-RoPE and
+    rotating the attended ones every step (equal unless INT8 codes are taken of the other form)."""
+    ids, mask = batch if padded else (batch[0][:1], batch[1][:1])
+    spec = SMALL + ",pages=2" + options
+    outs = []
+    for fast, hold in ((True, True), (False, True), (False, False)):
+        monkeypatch.setattr(dkcache, "FAST_DECODE", fast)
+        monkeypatch.setattr(dkcache, "HOLD_ROTATED", hold)
+        cache = kvweave.make_cache(spec, model)
+        outs.append(_generate(model, ids, mask, cache, new_tokens=10))
+        assert cache.layers[0].rotated == (hold or "post_rope" in options)
+        assert cache.layers[0].layer_stats()["tiers"]["far"] > 0
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert _logit_gap(outs[0], outs[1]) <= 1e-4
+    if "8" not in options:
+        assert torch.equal(outs[1].sequences, outs[2].sequences)
+        assert _logit_gap(outs[1], outs[2]) <= 1e-4
+
+
+def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_range(model, monkeypatch):
+    """A prompt inside the trained range, generation past it: keys held post-RoPE switch to pre-RoPE at the step
+    compensation starts, and decoding matches a cache that held them pre-RoPE throughout."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 150, (1, 40))
+    spec = "dkcache:core=4,steady=12,page=4,pages=3,sinks=2,trained_length=44"
+    outs, caches = [], []
+    for hold in (True, False):
+        monkeypatch.setattr(dkcache, "HOLD_ROTATED", hold)
+        cache = kvweave.make_cache(spec, model)
+        outs.append(_generate(model, ids, torch.ones_like(ids), cache, new_tokens=12))
+        caches.append(cache)
+    assert not caches[0].layers[0].rotated and caches[0].layers[0].groups[0] > 1
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert _logit_gap(*outs) <= 1e-4

@@ -40,8 +40,11 @@ whole key tensor — is a no-op. Shifting only the steady tier does change atten
 helps, is what the evaluation measures. Prefill attention is exact over the whole prompt (as in kvpress; at
 compensated positions beyond the trained range); the tiers shape decoding. Per step, attention sees sinks +
 retrieved pages + steady + core (``attended_entries`` in the layer stats) while the cache holds every tier
-(``entries``). Cost note: pre-RoPE storage re-rotates every attended key each step (a table lookup and one
-elementwise pass, next to the attention itself); ``key_storage="post_rope"`` avoids it without compensation.
+(``entries``). Cost note: while every position is exact (the context inside the trained range) keys are held
+as the model gives them (post-RoPE) even with ``key_storage="pre_rope"``: the pre-RoPE decoupling shift
+``−α·q·R(p_j)·m`` is added to the steady logits as a bias (two small matmuls against the RoPE table), and each
+decode step computes logits per tier with no key copied or rotated. When the context first outgrows the trained
+range, every held key is de-rotated once and the compensated (general) path takes over.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch
 
 from kvweave._compat import mask_to_bool, sdpa_attention
 from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
-from kvweave.rope import apply_rotary, remove_rotary
+from kvweave.rope import apply_rotary, remove_rotary, rotate_half
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -77,6 +80,12 @@ FAST_PREFILL = True
 :func:`remapped_attention` is the reference, and the path for padded batches and accelerators)."""
 FLASH_CHUNK = 1024
 """Queries per chunk of :func:`flash_remapped_prefill`."""
+HOLD_ROTATED = True
+"""Hold keys post-RoPE while every position is exact, de-rotating them once when compensation starts (False: hold
+them pre-RoPE from the start and rotate the attended ones every step, the reference)."""
+FAST_DECODE = True
+"""Decode steps at exact positions through :meth:`DKCacheLayer._exact_attention` (logits per tier, no tier copied
+or rotated); the general :meth:`DKCacheLayer._tiered_attention` is the reference and the compensated path."""
 
 
 @register("dkcache")
@@ -328,15 +337,22 @@ def remapped_attention(q_exact: torch.Tensor, q_grouped: torch.Tensor | None, k_
                                                scores[..., exact_from:])
     else:
         scores = logits(q_exact, k_exact)
+    probs, entropy = attention_probs(scores, visible, scaling)
+    out = (probs.to(values.dtype).view(b, h, groups * n, t) @ values).view(b, hq, n, -1)
+    return out.transpose(1, 2).contiguous(), entropy
+
+
+def attention_probs(scores: torch.Tensor, visible: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of ``scores: [B, H, groups, n, T]`` (unscaled logits) over the ``visible: [B, H or 1, n, T]``
+    entries, and ``[B]``: the last query's attention entropy / log(entries it sees), mean over heads."""
     seen = visible.unsqueeze(2)
     seen = seen | ~seen.any(-1, keepdim=True)  # a query that sees nothing (padding) sees all: never used
     probs = torch.softmax(scores.float().mul(scaling).masked_fill(~seen, float("-inf")), dim=-1)
-    out = (probs.to(values.dtype).view(b, h, groups * n, t) @ values).view(b, hq, n, -1)
     last = probs[:, :, :, -1, :]
     entropy = -torch.special.xlogy(last, last).sum(-1)
     count = seen[:, :, :, -1, :].sum(-1).expand_as(entropy).float()
     normalised = torch.where(count > 1, entropy / count.clamp(min=2).log(), torch.zeros_like(entropy))
-    return out.transpose(1, 2).contiguous(), normalised.flatten(1).mean(1)
+    return probs, normalised.flatten(1).mean(1)
 
 
 def _flash_part(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -552,6 +568,19 @@ class _Tier:
             keys, values = parts["keys"], parts["values"]
         return keys, values, positions.to(torch.int64)
 
+    def map_keys(self, fn: Any) -> None:
+        """Replace every held key ``k`` by ``fn(k, positions)`` in place (``[B, H, T, D]``, ``[B, T]`` int64)."""
+        if not len(self):
+            return
+        keys, _, positions = self.read(torch.float32)
+        mapped = fn(keys, positions)
+        if self.quantized:
+            codes, scales = quantize_int8(mapped)
+            self.parts["keys"].view().copy_(codes)
+            self.parts["key_scales"].view().copy_(scales)
+        else:
+            self.parts["keys"].view().copy_(mapped)
+
     def fit(self) -> None:
         for part in (*self.parts.values(), self.positions):
             part.fit()
@@ -653,17 +682,23 @@ class _FarTier:
             fresh[name].narrow(-1 if name == "positions" else 2, 0, capacity).copy_(old)
         self.store = fresh
 
-    def entries(self, index: torch.Tensor, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Paged entries ``index: [B, H, R]`` -> ``keys, values: [B, H, R, D]`` (``dtype``), ``positions [B, H, R]``."""
-        index = index.to(self.device)
-        b, h, r = index.shape
+    def pages_of(self, pages: torch.Tensor, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Whole pages ``pages: [B, H, k]`` -> ``keys, values: [B, H, k·page, D]`` (``dtype``), ``positions
+        [B, H, k·page]``: one row copy per page (the store is contiguous and whole pages long)."""
+        pages = pages.to(self.device)
+        b, h, k = pages.shape
+        count = self.store["positions"].shape[1] // self.page
+        head = torch.arange(b * h, device=self.device).view(b, h, 1)
+        flat = (head * count + pages).flatten()
 
         def take(name: str) -> torch.Tensor:
             part = self.store[name]
-            return part.gather(2, index.unsqueeze(-1).expand(b, h, r, part.shape[-1])).to(device)
+            return part.view(b * h * count, -1).index_select(0, flat).view(b, h, k * self.page, -1).to(device)
 
-        positions = self.store["positions"].unsqueeze(1).expand(b, h, -1).gather(2, index).to(device, torch.int64)
+        rows = (torch.arange(b, device=self.device).view(b, 1, 1) * count + pages).flatten()
+        positions = self.store["positions"].view(b * count, self.page).index_select(0, rows)
+        positions = positions.view(b, h, k * self.page).to(device, torch.int64)
         if self.quantized:
             return (dequantize_int8(take("keys"), take("key_scales"), dtype),
                     dequantize_int8(take("values"), take("value_scales"), dtype), positions)
@@ -677,6 +712,29 @@ class _FarTier:
         if self.quantized:
             keys = dequantize_int8(keys, self.store["key_scales"].narrow(2, low, width).to(device), dtype)
         return keys.to(dtype), self.store["positions"].narrow(1, low, width).to(device, torch.int64)
+
+    def map_keys(self, fn: Any, device: torch.device) -> None:
+        """Replace every held key ``k`` (sinks and pages) by ``fn(k, positions)`` in place, computed on ``device``
+        in blocks of pages."""
+        if self.sink:
+            keys = self.sink["keys"]
+            keys.copy_(fn(keys.to(device), self.sink["positions"].to(device, torch.int64)).to(keys.device))
+        if not self.store:
+            return
+        b, h, capacity, d = self.store["keys"].shape
+        step = max(self.page, CHUNK_ELEMENTS // max(1, b * h * d) // self.page * self.page)
+        for low in range(0, capacity, step):
+            width = min(step, capacity - low)
+            positions = self.store["positions"].narrow(1, low, width).to(device, torch.int64)
+            keys = self.store["keys"].narrow(2, low, width)
+            if self.quantized:
+                scales = self.store["key_scales"].narrow(2, low, width)
+                codes, new_scales = quantize_int8(fn(dequantize_int8(keys.to(device), scales.to(device),
+                                                                     torch.float32), positions))
+                keys.copy_(codes.to(keys.device))
+                scales.copy_(new_scales.to(scales.device))
+            else:
+                keys.copy_(fn(keys.to(device), positions).to(keys.device))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         order = rows.tolist()
@@ -707,6 +765,7 @@ class _Step:
 
     positions: torch.Tensor  # [B, q] int64
     row_lengths: list[int]  # per row: largest position + 1
+    aligned: bool  # every row's positions are its slots (no padding, no offset)
 
 
 # ----------------------------------------------------------------------------------------------- the layer
@@ -724,6 +783,8 @@ class DKCacheLayer(CompressedLayer):
         self.pre_rope = method.key_storage == "pre_rope"
         self.table: RopeTable | None = None
         self.position_limit = 0  # largest position held + 1 (the RoPE table covers it)
+        self.rotated = True  # held keys are post-RoPE (always with post_rope storage; pre_rope: until compensating)
+        self.aligned = True  # every held token's position is its slot
         if self.pre_rope:
             key = f"dkcache.rope.{cache.layer_types[layer_idx]}"
             if key not in cache.shared:
@@ -758,7 +819,9 @@ class DKCacheLayer(CompressedLayer):
         else:
             positions = position_ids.to(device, torch.int64)
         positions = positions.expand(self.rows, -1)
-        step = _Step(positions, [int(p) + 1 for p in positions.amax(-1).tolist()])
+        slots = torch.arange(first, first + q_len, device=device).view(1, -1)
+        lengths, aligned = torch.stack([positions.amax(-1) + 1, (positions == slots).all(-1).long()]).tolist()
+        step = _Step(positions, [int(n) for n in lengths], all(aligned))
         self.cache.shared["dkcache.step"] = (position_ids, key, step)
         return step
 
@@ -770,8 +833,8 @@ class DKCacheLayer(CompressedLayer):
     def _rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor,
                      groups: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored keys -> (exact, grouped) keys as attention sees them; ``positions: [B, 1 or H, T]``.
-        Without compensation (or post-RoPE storage) the grouped keys are the exact ones."""
-        if self.table is None:
+        Without compensation (keys held post-RoPE) the grouped keys are the exact ones."""
+        if self.table is None or self.rotated:
             return keys, keys
         exact = self.table.rotate(keys, positions)
         grouped = exact if groups is None else self.table.rotate(keys, positions // groups.view(-1, 1, 1))
@@ -800,12 +863,19 @@ class DKCacheLayer(CompressedLayer):
         if self.table is not None:
             self.position_limit = max(self.position_limit, *step.row_lengths)
             self.table.ensure(self.position_limit, key.device)
-        stored = self.table.unrotate(key, step.positions) if self.table is not None else key
+        if first == 0:
+            self.rotated, self.aligned = self.table is None or (HOLD_ROTATED and not grouped), max(self.pad) == 0
+        elif grouped and self.rotated:
+            self._unrotate_held()
+        self.aligned = self.aligned and step.aligned
+        stored = key if self.rotated else self.table.unrotate(key, step.positions)  # type: ignore[union-attr]
         self.seen += q_len
         self.core_tier.append(stored, value, step.positions)
         if first == 0:
             out = self._prefill_attention(module, query, key, value, stored, attention_mask, step, groups,
                                           scaling, kwargs)
+        elif FAST_DECODE and groups is None and self.rotated:
+            out = self._exact_attention(query, attention_mask, scaling, first, q_len)
         else:
             out = self._tiered_attention(query, attention_mask, step, groups, scaling, first, q_len)
         self._retier()
@@ -884,8 +954,10 @@ class DKCacheLayer(CompressedLayer):
         for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
             if len(tier):
                 keys, values, positions = tier.read(dtype)
-                if decoupled and self.steady_sum is not None and self.steady_count is not None:
-                    mean = self.steady_sum / self.steady_count.clamp(min=1).view(-1, 1, 1, 1)
+                mean = self.steady_mean() if decoupled else None
+                if mean is not None and self.rotated and self.table is not None:  # R(p)(k - a m) = R(p)k - a R(p)m
+                    keys = keys - self.alpha * self.table.rotate(mean.to(keys.dtype).expand_as(keys), positions)
+                elif mean is not None:
                     keys = decouple_keys(keys, mean, self.alpha)
                 slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
                 parts.append((keys, values, positions.unsqueeze(1), slots.view(1, 1, -1).expand(self.rows, 1, -1)))
@@ -914,6 +986,78 @@ class DKCacheLayer(CompressedLayer):
         self.last_attended = visible[:, :, -1, :].sum(-1).float().mean(1)
         self.decode_steps += 1
         return out
+
+    def _exact_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                         first: int, q_len: int) -> torch.Tensor:
+        """Decode at exact positions with keys held as attention sees them: the same attention as
+        :meth:`_tiered_attention` (sinks + retrieved pages + decoupled steady + core), computed as logits per
+        tier and one softmax over their concatenation, so no key or value is copied, concatenated or rotated.
+        The steady tier's decoupling enters as a logit bias."""
+        dtype = query.dtype
+        b, hq, n, d = query.shape
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        if self.far is not None:  # keys, values, slots, validity, bias
+            parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype)]
+        for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
+            if len(tier):
+                keys, values, positions = tier.read(dtype)
+                slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
+                bias = self._decoupling_bias(query, positions, tier.first_slot) if decoupled else None
+                parts.append((keys, values, slots.view(1, 1, -1).expand(self.rows, 1, -1), None, bias))
+        h = parts[-1][0].shape[1]
+        g = hq // h
+        q = query.reshape(b, h, g * n, d)
+        scores, seen = [], []
+        for keys, _, slots, ok, bias in parts:
+            logits = q @ keys.to(q.dtype).transpose(-1, -2)
+            scores.append(logits if bias is None else logits + bias)
+            visible = visible_mask(attention_mask, slots.clamp(0, first + q_len - 1).to(torch.int32), first, q_len)
+            seen.append((visible if ok is None else visible & ok.unsqueeze(2)).expand(b, h, n, -1))
+        visible = torch.cat(seen, dim=-1)
+        probs, self.last_entropy = attention_probs(torch.cat(scores, dim=-1).view(b, h, g, n, -1), visible, scaling)
+        out, low = None, 0
+        for _, values, *_ in parts:
+            width = values.shape[2]
+            term = probs[..., low:low + width].to(values.dtype).reshape(b, h, g * n, width) @ values
+            out, low = term if out is None else out + term, low + width
+        assert out is not None
+        self.last_attended = visible[:, :, -1, :].sum(-1).float().mean(1)
+        self.decode_steps += 1
+        return out.view(b, hq, n, -1).transpose(1, 2).contiguous()
+
+    def _decoupling_bias(self, query: torch.Tensor, positions: torch.Tensor, first_slot: int) -> torch.Tensor | None:
+        """``[B, H, groups·n, T]`` (or ``T = 1`` broadcast): the steady logits' decoupling shift ``−α·q·k_shift`` for
+        keys held post-RoPE. Pre-RoPE decoupling shifts key ``j`` by ``R(p_j)·m``, so the bias is
+        ``−α·(cos(p_j)·(q∘m) + sin(p_j)·(q∘rot(m)))``; post-RoPE decoupling shifts every key by ``m``."""
+        mean = self.steady_mean()
+        if mean is None:
+            return None
+        b, hq, n, d = query.shape
+        h = mean.shape[1]
+        q = query.reshape(b, h, hq // h * n, d)
+        m = mean.to(q.dtype)
+        if self.table is None:
+            return -self.alpha * (q @ m.transpose(-1, -2))
+        cos, sin = self.table.tables[query.device]
+        if self.aligned:  # positions are the slots: a slice of the table
+            width = positions.shape[-1]
+            cos, sin = cos[first_slot:first_slot + width].to(q.dtype), sin[first_slot:first_slot + width].to(q.dtype)
+            return -self.alpha * ((q * m) @ cos.T + (q * rotate_half(m)) @ sin.T)
+        cos, sin = cos[positions].to(q.dtype).unsqueeze(1), sin[positions].to(q.dtype).unsqueeze(1)  # [B, 1, T, D]
+        return -self.alpha * ((q * m) @ cos.transpose(-1, -2) + (q * rotate_half(m)) @ sin.transpose(-1, -2))
+
+    def _unrotate_held(self) -> None:
+        """The context just outgrew the trained range: from now on keys are held pre-RoPE, so they can be rotated
+        at remapped positions. One pass over every held key (INT8 entries are dequantized and requantized); the
+        decoupling mean is already pre-RoPE; far-page summaries are recomputed at the new positions."""
+        table = self.table
+        assert table is not None
+        for tier in (self.core_tier, self.steady_tier):
+            tier.map_keys(table.unrotate)
+        if self.far is not None:
+            self.far.map_keys(table.unrotate, self.device)
+            self.far.clean_pages = 0
+        self.rotated = False
 
     def _far_parts(self, query: torch.Tensor,
                    dtype: torch.dtype) -> list[tuple[_Part, torch.Tensor]]:
@@ -959,7 +1103,7 @@ class DKCacheLayer(CompressedLayer):
         self.pages_total = self.pages_last if self.pages_total is None else self.pages_total + self.pages_last
         self.retrieval_steps += 1
         index = (top.indices.unsqueeze(-1) * far.page + torch.arange(far.page, device=self.device)).flatten(2)
-        keys, values, positions = far.entries(index, dtype, self.device)
+        keys, values, positions = far.pages_of(top.indices, dtype, self.device)
         ok = (index < paged) & chosen.repeat_interleave(far.page, dim=2)
         slots = self.pad_count.view(-1, 1, 1) + far.sinks + index if self.pad_count is not None else index
         return (keys, values, positions, slots), ok
@@ -990,7 +1134,7 @@ class DKCacheLayer(CompressedLayer):
         for low in range(far.clean_pages, count, step):
             high = min(count, low + step)
             keys, positions = far.page_range(low, high, dtype, self.device)
-            if self.table is not None:
+            if self.table is not None and not self.rotated:
                 keys = self.table.rotate(keys, positions.unsqueeze(1) // groups)
             index = torch.arange(low * far.page, high * far.page, device=self.device).view(1, 1, -1, 1)
             keys = keys.float().reshape(b, h, high - low, far.page, d)
@@ -1010,12 +1154,12 @@ class DKCacheLayer(CompressedLayer):
             keys, values, positions = self.core_tier.pop_front(overflow, dtype)
             self.steady_tier.first_slot = slot if not len(self.steady_tier) else self.steady_tier.first_slot
             stored = self.steady_tier.append(keys, values, positions)
-            self._update_mean(stored, slot, +1)
+            self._update_mean(stored, positions, slot, +1)
         overflow = len(self.steady_tier) - (self.steady_bound - self.core_size)
         if overflow > 0:
             slot = self.steady_tier.first_slot
             keys, values, positions = self.steady_tier.pop_front(overflow, dtype)
-            self._update_mean(keys, slot, -1)
+            self._update_mean(keys, positions, slot, -1)
             if self.far is None:
                 self.far = _FarTier(self.method.sinks, self.method.page,
                                     quantized=self.method.bits == 8 or self.method.far_dtype == "int8",
@@ -1027,10 +1171,13 @@ class DKCacheLayer(CompressedLayer):
         self.core_tier.fit()
         self.steady_tier.fit()
 
-    def _update_mean(self, keys: torch.Tensor, first_slot: int, sign: int) -> None:
-        """Running sum / count of the steady tier's real keys (padding excluded), per (row, head)."""
+    def _update_mean(self, keys: torch.Tensor, positions: torch.Tensor, first_slot: int, sign: int) -> None:
+        """Running sum / count of the steady tier's real keys (padding excluded), per (row, head); pre-RoPE with
+        ``key_storage="pre_rope"`` (held keys are de-rotated for it while they are held post-RoPE)."""
         if self.alpha <= 0:
             return
+        if self.rotated and self.table is not None:
+            keys = self.table.unrotate(keys, positions)
         slots = torch.arange(first_slot, first_slot + keys.shape[2], device=self.device).view(1, -1)
         real = (slots >= self.pad_count.view(-1, 1)).double()  # type: ignore[union-attr]
         total = (keys.double() * real.view(real.shape[0], 1, -1, 1)).sum(2, keepdim=True)
@@ -1040,7 +1187,8 @@ class DKCacheLayer(CompressedLayer):
         self.steady_count += sign * real.sum(-1)
 
     def steady_mean(self) -> torch.Tensor | None:
-        """``[B, H, 1, D]`` the decoupling mean in use (storage space), ``None`` before the tier fills."""
+        """``[B, H, 1, D]`` the decoupling mean in use (pre-RoPE with pre_rope storage, else post-RoPE), ``None``
+        before the tier fills."""
         if self.steady_sum is None or self.steady_count is None:
             return None
         return self.steady_sum / self.steady_count.clamp(min=1).view(-1, 1, 1, 1)
