@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from tqdm import tqdm
 import kvweave
 from kvweave._compat import cache_kwarg
 from kvweave.cache import parse_method
+from kvweave.eval.runner import environment
 from kvweave.eval.tasks import load_haystack
 
 
@@ -43,14 +42,6 @@ def prompt_ids(tokenizer: Any, tokens: int) -> torch.Tensor:
     while len(ids) < tokens:
         ids = ids + ids
     return torch.tensor([ids[:tokens]])
-
-
-def git_revision() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main() -> None:
@@ -95,8 +86,7 @@ def main() -> None:
                     token = model(token, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
                 best[spec] = min(best[spec], (time.perf_counter() - start) / args.steps)
                 state[spec][1] = token
-    env = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "machine": platform.machine(), "git": git_revision()}
+    env = environment()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as fh:

@@ -1039,11 +1039,11 @@ class DKCacheLayer(CompressedLayer):
         if self.table is None:
             return -self.alpha * (q @ m.transpose(-1, -2))
         cos, sin = self.table.tables[query.device]
-        if self.aligned:  # positions are the slots: a slice of the table
-            width = positions.shape[-1]
-            cos, sin = cos[first_slot:first_slot + width].to(q.dtype), sin[first_slot:first_slot + width].to(q.dtype)
-            return -self.alpha * ((q * m) @ cos.T + (q * rotate_half(m)) @ sin.T)
-        cos, sin = cos[positions].to(q.dtype).unsqueeze(1), sin[positions].to(q.dtype).unsqueeze(1)  # [B, 1, T, D]
+        if self.aligned:  # positions are the slots: a slice of the table, [T, D]
+            cos, sin = (t[first_slot:first_slot + positions.shape[-1]] for t in (cos, sin))
+        else:  # [B, 1, T, D]
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return -self.alpha * ((q * m) @ cos.transpose(-1, -2) + (q * rotate_half(m)) @ sin.transpose(-1, -2))
 
     def _unrotate_held(self) -> None:
