@@ -158,8 +158,8 @@ class EvictingLayer(CompressedLayer):
         ``query: [B, Hq, q, D]`` are tokens ``first .. first+q-1``; the weights are summed over the queries
         and over the query heads of each KV head's group (GQA). Computed in chunks of query rows so the
         prefill never holds a ``[q, T]`` matrix per head. ``logits_hook(logits, start, rows)`` may change the
-        ``[B, H, G, rows, T]`` logits before the softmax (Keyformer adds Gumbel noise); ``elements`` bounds
-        the logits of one chunk.
+        ``[B, H, G, rows, T']`` logits of the first ``T' <= T`` entries before the softmax (Keyformer adds
+        Gumbel noise); ``elements`` bounds the logits of one chunk.
         """
         b, hq, q_len, d = query.shape
         keys: torch.Tensor = self.keys  # [B, H, T, D]
@@ -167,19 +167,23 @@ class EvictingLayer(CompressedLayer):
         grouped = query.view(b, h, hq // h, q_len, d)
         slots = self.held_slots()
         real = self.query_is_real(first, q_len)
+        # While nothing was evicted, entry i is token i: a chunk of queries sees only a prefix of the keys
+        # (causal), so the logits of the rest (half the work of a prefill) are never computed.
+        ordered = self.slots is None
         total = torch.zeros(b, h, t, dtype=torch.float32, device=self.device)
         rows = max(1, elements // max(1, b * hq * t))
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
+            width = min(t, first + stop) if ordered else t
             logits = torch.einsum("bhgqd,bhtd->bhgqt", grouped[:, :, :, start:stop].float(),
-                                  keys.float()) * self.scaling
+                                  keys[:, :, :width].float()) * self.scaling
             if logits_hook is not None:
                 logits = logits_hook(logits, start, stop - start)
             mask = attention_mask[:, :, start:stop] if attention_mask is not None else None
-            visible = visible_mask(mask, slots, first + start, stop - start).unsqueeze(2)  # [B, H, 1, rows, T]
-            weights = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            visible = visible_mask(mask, slots[..., :width], first + start, stop - start).unsqueeze(2)
+            weights = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [B, H, G, rows, width]
             weights = torch.where(visible & real[:, start:stop].view(b, 1, 1, -1, 1), weights, 0.0)
-            total += weights.sum(dim=(2, 3))
+            total[..., :width] += weights.sum(dim=(2, 3))
         return total
 
     def layer_stats(self) -> dict[str, Any]:

@@ -95,7 +95,7 @@ class KeyformerLayer(EvictingLayer):
             query_index = torch.arange(first + start, first + start + rows, device=self.device)
             query_index = (query_index.view(1, 1, 1, -1, 1) - pads).clamp(min=0)  # [B, 1, 1, rows, 1]
             head = torch.arange(h * g, device=self.device).view(1, h, g, 1, 1)
-            noise = gumbel_noise(method.seed, self.layer_idx, head, query_index, key_index)
+            noise = gumbel_noise(method.seed, self.layer_idx, head, query_index, key_index[..., :logits.shape[-1]])
             # decode step of each query: 0 for prompt tokens, 1 for the first generated token, ...
             step = (query_index - self.prompt_tokens.view(-1, 1, 1, 1, 1) + 1).clamp(min=0)
             progress = (step.float() / method.steps).clamp(max=1.0)
