@@ -12,14 +12,19 @@ versions. Usage::
         --methods "dkcache:ratio=0.125,pages=16;dkcache:ratio=0.125,pages=16,retrieve=never" \\
         --out docs/data/dkcache-decode-speed.jsonl
 
-Method specs are separated by ``;`` (they contain commas). ``full`` is always measured first.
+Method specs are separated by ``;`` (they contain commas). ``full`` is always measured first. With
+``--reference`` every ``dkcache`` spec is measured a second time through the general (reference) decode path
+(``FAST_DECODE`` and ``FAST_COMPENSATED`` off), labelled ``<spec> [general path]``, so a speed-up of the fast
+paths is a ratio measured in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,21 @@ from kvweave._compat import cache_kwarg
 from kvweave.cache import parse_method
 from kvweave.eval.runner import environment
 from kvweave.eval.tasks import load_haystack
+from kvweave.methods import dkcache
+
+GENERAL = " [general path]"
+
+
+@contextlib.contextmanager
+def decode_path(label: str) -> Iterator[None]:
+    """DK-Cache's fast decode paths off while a ``[general path]`` entry runs."""
+    saved = dkcache.FAST_DECODE, dkcache.FAST_COMPENSATED
+    if label.endswith(GENERAL):
+        dkcache.FAST_DECODE = dkcache.FAST_COMPENSATED = False
+    try:
+        yield
+    finally:
+        dkcache.FAST_DECODE, dkcache.FAST_COMPENSATED = saved
 
 
 def prompt_ids(tokenizer: Any, tokens: int) -> torch.Tensor:
@@ -52,6 +72,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="tokens decoded per method per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best is reported")
     parser.add_argument("--beyond-trained", action="store_true", help="allow a prompt past the trained range")
+    parser.add_argument("--reference", action="store_true",
+                        help="also measure each dkcache spec through the general (reference) decode path")
     parser.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     args = parser.parse_args()
     if args.context < 1 or args.steps < 1 or args.rounds < 1:
@@ -67,14 +89,17 @@ def main() -> None:
     if args.context > trained and not args.beyond_trained:
         parser.error(f"--context {args.context} is beyond {args.model}'s trained context ({trained}); "
                      "pass --beyond-trained to measure it anyway")
+    if args.reference:
+        specs += [spec + GENERAL for spec in specs if parse_method(spec).name == "dkcache"]
     ids = prompt_ids(tokenizer, args.context)
     state: dict[str, list[Any]] = {}
     prefill_s: dict[str, float] = {}
     with torch.no_grad():
         for spec in tqdm(specs, desc="prefill"):
-            cache = kvweave.make_cache(spec, model)
+            cache = kvweave.make_cache(spec.removesuffix(GENERAL), model)
             start = time.perf_counter()
-            logits = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits
+            with decode_path(spec):
+                logits = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits
             prefill_s[spec] = time.perf_counter() - start
             state[spec] = [cache, logits[:, -1:].argmax(-1)]
         best = {spec: float("inf") for spec in specs}
@@ -82,8 +107,10 @@ def main() -> None:
             for spec in specs:
                 cache, token = state[spec]
                 start = time.perf_counter()
-                for _ in range(args.steps):
-                    token = model(token, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+                with decode_path(spec):
+                    for _ in range(args.steps):
+                        token = model(token, use_cache=True,
+                                      **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
                 best[spec] = min(best[spec], (time.perf_counter() - start) / args.steps)
                 state[spec][1] = token
     env = environment()

@@ -427,3 +427,48 @@ def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_rang
     assert not caches[0].layers[0].rotated and caches[0].layers[0].groups[0] > 1
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert _logit_gap(*outs) <= 1e-4
+
+
+@pytest.mark.parametrize("options", ["", ",bits=8", ",retrieve=entropy,entropy_threshold=0.1",
+                                     ",profile=code,far_dtype=int8", ",decouple=false", ",hold=inside"])
+def test_fast_compensated_decode_equals_general_path(model, monkeypatch, options):
+    """Decode beyond the trained range with steady and far keys held at grouped positions (logits per tier,
+    decoupling as a bias) against the general path that rotates every attended key each step; the Self-Extend
+    group grows during generation (2 -> 3), so the held keys are re-rotated once on the way. ``hold=inside``
+    starts inside the trained range (keys held post-RoPE), so the switch happens while decoding."""
+    torch.manual_seed(2)
+    inside = "hold=inside" in options
+    ids = torch.randint(3, 150, (1, 20 if inside else 40))
+    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24" + options.replace(",hold=inside", "")
+    outs, caches = [], []
+    for fast in (True, False):
+        monkeypatch.setattr(dkcache, "FAST_COMPENSATED", fast)
+        cache = kvweave.make_cache(spec, model)
+        outs.append(_generate(model, ids, torch.ones_like(ids), cache, new_tokens=30 if inside else 22))
+        caches.append(cache)
+    layer = caches[0].layers[0]
+    assert layer.groups[0] == 3 and layer.held_group == 3 and caches[1].layers[0].held_group is None
+    assert layer.layer_stats()["tiers"]["far"] > 0
+    if "8" not in options:
+        assert torch.equal(outs[0].sequences, outs[1].sequences)
+        assert _logit_gap(*outs) <= 1e-4
+    else:  # INT8 codes of other key forms: close logits while the prefixes agree (random weights, flat logits)
+        new = [o.sequences[0, ids.shape[1]:] for o in outs]
+        same = int((new[0] != new[1]).nonzero()[0]) if not torch.equal(*new) else len(new[0]) - 1
+        assert same >= 4
+        pairs = zip(outs[0].logits[:same + 1], outs[1].logits[:same + 1], strict=True)
+        assert max((x - y).abs().max().item() for x, y in pairs) <= 5e-2
+
+
+def test_compensated_padded_batch_takes_the_general_path(model, batch, monkeypatch):
+    """Left padding (positions are not slots): the general path, and the same result with the fast path on."""
+    ids, mask = batch
+    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24"
+    outs = []
+    for fast in (True, False):
+        monkeypatch.setattr(dkcache, "FAST_COMPENSATED", fast)
+        cache = kvweave.make_cache(spec, model)
+        outs.append(_generate(model, ids, mask, cache, new_tokens=6))
+        assert cache.layers[0].held_group is None and cache.layers[0].groups[0] > 1
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert _logit_gap(*outs) <= 1e-5

@@ -44,7 +44,11 @@ retrieved pages + steady + core (``attended_entries`` in the layer stats) while 
 as the model gives them (post-RoPE) even with ``key_storage="pre_rope"``: the pre-RoPE decoupling shift
 ``−α·q·R(p_j)·m`` is added to the steady logits as a bias (two small matmuls against the RoPE table), and each
 decode step computes logits per tier with no key copied or rotated. When the context first outgrows the trained
-range, every held key is de-rotated once and the compensated (general) path takes over.
+range, every held key is de-rotated once. From then on (one sequence, or a batch without padding) the steady and
+far keys are held rotated at their grouped positions ``p // G`` and re-rotated only when ``G`` grows: no steady or
+far key is ever a neighbour of the query (the core holds the newest ``core`` tokens), so they only meet the
+grouped query, and only the small core tier is rotated each step. Padded batches take the general path, which
+rotates every attended key each step.
 """
 
 from __future__ import annotations
@@ -85,7 +89,11 @@ HOLD_ROTATED = True
 them pre-RoPE from the start and rotate the attended ones every step, the reference)."""
 FAST_DECODE = True
 """Decode steps at exact positions through :meth:`DKCacheLayer._exact_attention` (logits per tier, no tier copied
-or rotated); the general :meth:`DKCacheLayer._tiered_attention` is the reference and the compensated path."""
+or rotated); the general :meth:`DKCacheLayer._tiered_attention` is the reference."""
+FAST_COMPENSATED = True
+"""Decode steps beyond the trained range (positions are slots, no padding) through
+:meth:`DKCacheLayer._compensated_attention`: steady and far keys held rotated at their grouped positions (re-rotated
+only when the Self-Extend group grows), logits per tier; the general path is the reference."""
 
 
 @register("dkcache")
@@ -785,6 +793,9 @@ class DKCacheLayer(CompressedLayer):
         self.position_limit = 0  # largest position held + 1 (the RoPE table covers it)
         self.rotated = True  # held keys are post-RoPE (always with post_rope storage; pre_rope: until compensating)
         self.aligned = True  # every held token's position is its slot
+        # while compensating on the fast path: steady and far keys (sinks, pages) are held rotated at positions
+        # p // held_group (the core stays pre-RoPE); None: every tier is held as ``rotated`` says
+        self.held_group: int | None = None
         if self.pre_rope:
             key = f"dkcache.rope.{cache.layer_types[layer_idx]}"
             if key not in cache.shared:
@@ -876,7 +887,12 @@ class DKCacheLayer(CompressedLayer):
                                           scaling, kwargs)
         elif FAST_DECODE and groups is None and self.rotated:
             out = self._exact_attention(query, attention_mask, scaling, first, q_len)
+        elif (FAST_COMPENSATED and groups is not None and self.aligned and len(set(self.groups)) == 1
+              and first >= self.trained and self.table is not None):
+            out = self._compensated_attention(query, attention_mask, step, groups, scaling, first, q_len)
         else:
+            if self.held_group is not None:
+                self._hold_grouped(None)
             out = self._tiered_attention(query, attention_mask, step, groups, scaling, first, q_len)
         self._retier()
         return out
@@ -1005,16 +1021,28 @@ class DKCacheLayer(CompressedLayer):
                 bias = self._decoupling_bias(query, positions, tier.first_slot) if decoupled else None
                 parts.append((keys, values, slots.view(1, 1, -1).expand(self.rows, 1, -1), None, bias))
         h = parts[-1][0].shape[1]
-        g = hq // h
-        q = query.reshape(b, h, g * n, d)
-        scores, seen = [], []
-        for keys, _, slots, ok, bias in parts:
+        q = query.reshape(b, h, hq // h * n, d)
+        scored = []
+        for keys, values, slots, ok, bias in parts:
             logits = q @ keys.to(q.dtype).transpose(-1, -2)
-            scores.append(logits if bias is None else logits + bias)
+            scored.append((logits if bias is None else logits + bias, values, slots, ok))
+        return self._attend_parts(scored, query.shape, attention_mask, scaling, first, q_len)
+
+    def _attend_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                      shape: torch.Size, attention_mask: torch.Tensor | None, scaling: float, first: int,
+                      q_len: int) -> torch.Tensor:
+        """One softmax over the concatenated logits of attention parts ``(logits [B, H, groups·n, T_i], values
+        [B, H, T_i, D], slots [B, 1 or H, T_i], validity [B, H, T_i] or None)``, the output summed per part."""
+        b, hq, n, _ = shape
+        h = parts[-1][1].shape[1]
+        g = hq // h
+        seen = []
+        for _, _, slots, ok in parts:
             visible = visible_mask(attention_mask, slots.clamp(0, first + q_len - 1).to(torch.int32), first, q_len)
             seen.append((visible if ok is None else visible & ok.unsqueeze(2)).expand(b, h, n, -1))
         visible = torch.cat(seen, dim=-1)
-        probs, self.last_entropy = attention_probs(torch.cat(scores, dim=-1).view(b, h, g, n, -1), visible, scaling)
+        scores = torch.cat([p[0] for p in parts], dim=-1).view(b, h, g, n, -1)
+        probs, self.last_entropy = attention_probs(scores, visible, scaling)
         out, low = None, 0
         for _, values, *_ in parts:
             width = values.shape[2]
@@ -1024,6 +1052,83 @@ class DKCacheLayer(CompressedLayer):
         self.last_attended = visible[:, :, -1, :].sum(-1).float().mean(1)
         self.decode_steps += 1
         return out.view(b, hq, n, -1).transpose(1, 2).contiguous()
+
+    def _compensated_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, step: _Step,
+                               groups: torch.Tensor, scaling: float, first: int, q_len: int) -> torch.Tensor:
+        """Decode beyond the trained range, every position its slot: the same attention as
+        :meth:`_tiered_attention`, computed per tier. Steady and far keys are held rotated at their grouped
+        positions ``p // G`` (re-rotated only when ``G`` grows), so they only meet the grouped query; every
+        steady and far key is at least ``core`` tokens from the query (the core tier holds the newest ``core``),
+        hence never a neighbour. The (small) core tier is rotated at exact and grouped positions each step and
+        its neighbours take the exact logits. The steady decoupling enters as a logit bias at grouped positions."""
+        table = self.table
+        assert table is not None
+        group = self.groups[0]
+        if self.held_group != group:
+            self._hold_grouped(group)
+        dtype = query.dtype
+        b, hq, n, d = query.shape
+        query_grouped = self._grouped_query(query, step.positions, groups)
+        h = self.core_tier.parts["keys"].view().shape[1]
+        q, qg = query.reshape(b, h, hq // h * n, d), query_grouped.reshape(b, h, hq // h * n, d)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        if self.far is not None:
+            for (keys, values, _, slots), ok in self._far_parts(query_grouped, dtype):
+                parts.append((qg @ keys.to(qg.dtype).transpose(-1, -2), values, slots, ok))
+        for tier in (self.steady_tier, self.core_tier):
+            if not len(tier):
+                continue
+            keys, values, positions = tier.read(dtype)
+            slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
+            if tier is self.steady_tier:
+                logits = qg @ keys.to(qg.dtype).transpose(-1, -2)
+                if self.alpha > 0:
+                    bias = self._grouped_decoupling_bias(query_grouped, tier.first_slot, len(tier), group)
+                    logits = logits if bias is None else logits + bias
+            else:
+                queries = torch.arange(first, first + q_len, device=self.device).view(-1, 1)
+                near = is_near(queries, slots.view(1, -1), self.core_size)  # [n, T] (positions are slots)
+                exact = q @ table.rotate(keys, positions).to(q.dtype).transpose(-1, -2)
+                far_logits = qg @ table.rotate(keys, positions // group).to(qg.dtype).transpose(-1, -2)
+                logits = torch.where(near.repeat(hq // h, 1), exact, far_logits)
+            parts.append((logits, values, slots.view(1, 1, -1).expand(self.rows, 1, -1), None))
+        return self._attend_parts(parts, query.shape, attention_mask, scaling, first, q_len)
+
+    def _grouped_decoupling_bias(self, query_grouped: torch.Tensor, first_slot: int, length: int,
+                                 group: int) -> torch.Tensor | None:
+        """``[B, H, groups·n, T]``: the steady logits' decoupling shift ``−α·q·R(p_j // G)·m`` for the steady
+        tier's slots ``first_slot ..`` (positions are slots), computed once per distinct grouped position."""
+        mean = self.steady_mean()
+        if mean is None or self.table is None:
+            return None
+        b, hq, n, d = query_grouped.shape
+        h = mean.shape[1]
+        q = query_grouped.reshape(b, h, hq // h * n, d)
+        m = mean.to(q.dtype)
+        low, high = first_slot // group, (first_slot + length - 1) // group + 1
+        cos, sin = (t[low:high].to(q.dtype) for t in self.table.tables[query_grouped.device])
+        distinct = -self.alpha * ((q * m) @ cos.transpose(-1, -2) + (q * rotate_half(m)) @ sin.transpose(-1, -2))
+        index = torch.arange(first_slot, first_slot + length, device=self.device) // group - low
+        return distinct.index_select(-1, index)
+
+    def _hold_grouped(self, group: int | None) -> None:
+        """Re-rotate the steady and far keys (sinks and pages) from how they are held to positions ``p // group``
+        (``None``: back to pre-RoPE, every tier then held as ``rotated`` says). Held keys must be pre-RoPE or
+        grouped; one pass over them (INT8 entries are dequantized and requantized)."""
+        table, old = self.table, self.held_group
+        assert table is not None and not self.rotated
+        if old == group:
+            return
+
+        def regroup(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            keys = keys if old is None else table.unrotate(keys, positions // old)
+            return keys if group is None else table.rotate(keys, positions // group)
+
+        self.steady_tier.map_keys(regroup)
+        if self.far is not None:
+            self.far.map_keys(regroup, self.device)
+            self.far.clean_pages = 0
+        self.held_group = group
 
     def _decoupling_bias(self, query: torch.Tensor, positions: torch.Tensor, first_slot: int) -> torch.Tensor | None:
         """``[B, H, groups·n, T]`` (or ``T = 1`` broadcast): the steady logits' decoupling shift ``−α·q·k_shift`` for
@@ -1134,7 +1239,7 @@ class DKCacheLayer(CompressedLayer):
         for low in range(far.clean_pages, count, step):
             high = min(count, low + step)
             keys, positions = far.page_range(low, high, dtype, self.device)
-            if self.table is not None and not self.rotated:
+            if self.table is not None and not self.rotated and self.held_group is None:
                 keys = self.table.rotate(keys, positions.unsqueeze(1) // groups)
             index = torch.arange(low * far.page, high * far.page, device=self.device).view(1, 1, -1, 1)
             keys = keys.float().reshape(b, h, high - low, far.page, d)
@@ -1152,6 +1257,8 @@ class DKCacheLayer(CompressedLayer):
         if overflow > 0:
             slot = self.core_tier.first_slot
             keys, values, positions = self.core_tier.pop_front(overflow, dtype)
+            if self.held_group is not None:  # the core is pre-RoPE, steady keys are held at grouped positions
+                keys = self.table.rotate(keys, positions // self.held_group)  # type: ignore[union-attr]
             self.steady_tier.first_slot = slot if not len(self.steady_tier) else self.steady_tier.first_slot
             stored = self.steady_tier.append(keys, values, positions)
             self._update_mean(stored, positions, slot, +1)
@@ -1176,7 +1283,9 @@ class DKCacheLayer(CompressedLayer):
         ``key_storage="pre_rope"`` (held keys are de-rotated for it while they are held post-RoPE)."""
         if self.alpha <= 0:
             return
-        if self.rotated and self.table is not None:
+        if self.held_group is not None and self.table is not None:
+            keys = self.table.unrotate(keys, positions // self.held_group)
+        elif self.rotated and self.table is not None:
             keys = self.table.unrotate(keys, positions)
         slots = torch.arange(first_slot, first_slot + keys.shape[2], device=self.device).view(1, -1)
         real = (slots >= self.pad_count.view(-1, 1)).double()  # type: ignore[union-attr]
