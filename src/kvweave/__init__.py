@@ -14,15 +14,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "METHODS",
+    "CacheFileError",
     "EntropyTemperatureProcessor",
     "KVCache",
     "Method",
+    "load_cache",
     "load_model",
     "make_cache",
     "parse_method",
     "prepare",
     "register",
     "restore",
+    "save_cache",
 ]
 
 _LAZY = {
@@ -36,6 +39,9 @@ _LAZY = {
     "restore": "kvweave.attention",
     "load_model": "kvweave.models",
     "EntropyTemperatureProcessor": "kvweave.sampling",
+    "save_cache": "kvweave.persist",
+    "load_cache": "kvweave.persist",
+    "CacheFileError": "kvweave.persist",
 }
 
 

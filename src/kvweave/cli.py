@@ -94,13 +94,48 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return load_model(args.model, dtype=args.dtype)
 
 
+def _loaded_cache(path: str, model: Any, ids: Any) -> Any:
+    """The saved cache at ``path``, checked to be a prefix of the prompt ``ids``."""
+    from kvweave.persist import load_cache
+
+    cache, manifest = load_cache(path, model)
+    cached = manifest.prompt_ids
+    if not cached or len(cached) != 1:
+        raise ValueError(f"{path}: the saved cache records no single prompt to check against; save it with "
+                         "`kvweave generate --save-cache`")
+    prefix = cached[0]
+    given = ids[0].tolist()
+    if len(given) <= len(prefix) or given[: len(prefix)] != prefix:
+        where = next((i for i, (a, b) in enumerate(zip(prefix, given, strict=False)) if a != b),
+                     min(len(prefix), len(given)))
+        raise ValueError(
+            f"the prompt ({len(given)} tokens) does not continue the {len(prefix)} cached tokens of {path} "
+            f"(first difference at token {where}); give the cached prompt followed by new text, with --raw so "
+            "no chat template wraps it"
+        )
+    print(f"loaded the cache of {len(prefix)} prompt tokens from {path} ({manifest.method})", file=sys.stderr)
+    return cache
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from kvweave._compat import cache_kwarg
     from kvweave.cache import make_cache, parse_method
 
-    parse_method(args.method)  # fail on a bad spec before loading a model
+    if args.save_cache and args.load_cache:
+        print("give --save-cache or --load-cache, not both", file=sys.stderr)
+        return 2
+    method = args.method or "full"
+    parse_method(method)  # fail on a bad spec before loading a model
+    if args.load_cache:
+        from kvweave.persist import read_manifest
+
+        saved_method = read_manifest(args.load_cache)["method"]
+        if args.method and parse_method(args.method).spec() != saved_method:
+            print(f"--method {args.method} differs from the saved cache's method {saved_method}; drop --method "
+                  "(the saved one is used) or prefill again with --save-cache", file=sys.stderr)
+            return 2
     if args.prompt_file:
         prompt = Path(args.prompt_file).read_text()
     elif args.prompt:
@@ -119,8 +154,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvweave.eval.runner import check_length
 
     check_length(model, ids.shape[1] + args.max_new_tokens, args.beyond_trained)
-    cache = make_cache(args.method, model)
+    if args.load_cache:
+        cache = _loaded_cache(args.load_cache, model, ids)
+    else:
+        cache = make_cache(method, model)
     cache.set_prompt(ids, tokenizer)
+    if args.save_cache:
+        if ids.shape[1] < 2:
+            print("--save-cache needs a prompt of at least 2 tokens", file=sys.stderr)
+            return 2
+        from kvweave.persist import save_cache
+
+        with torch.no_grad():  # the prompt but its last token: generate() runs that one and goes on
+            model(ids[:, :-1], attention_mask=torch.ones_like(ids[:, :-1]), **{cache_kwarg(model): cache})
+        save_cache(cache, model, args.save_cache, prompt_ids=ids[:, :-1])
+        print(f"saved the cache of {ids.shape[1] - 1} prompt tokens to {args.save_cache}", file=sys.stderr)
     extra: dict[str, Any] = {}
     processor = None
     if args.entropy_control:
@@ -310,8 +358,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt", nargs="?", help="the prompt text")
     p.add_argument("--prompt-file", help="read the prompt from this file")
-    p.add_argument("--method", default="full", help="method spec (default: full)")
+    p.add_argument("--method", default=None, help="method spec (default: full; with --load-cache: the saved one)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--save-cache",
+        metavar="DIR",
+        help="prefill the prompt, save its compressed cache to DIR (safetensors + manifest), then generate",
+    )
+    p.add_argument(
+        "--load-cache",
+        metavar="DIR",
+        help="continue a cache saved with --save-cache: the prompt must start with the saved prompt",
+    )
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument(
         "--entropy-control",

@@ -43,6 +43,8 @@ class Rotary:
     positions is as exact as the model's own.
     """
 
+    rebuilt_on_load = True  # made from the model: kvweave.load_cache takes a fresh one, never saves it
+
     def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None) -> None:
         self.rotary_emb = rotary_emb
         self.layer_type = layer_type

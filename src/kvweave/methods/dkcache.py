@@ -451,6 +451,8 @@ class RopeTable:
     the model's. Assumes a position-independent frequency table (not ``dynamic`` RoPE scaling).
     """
 
+    rebuilt_on_load = True  # made from the model: kvweave.load_cache takes a fresh one, never saves it
+
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary
         self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

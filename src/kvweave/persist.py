@@ -1,0 +1,442 @@
+"""Save a compressed cache to disk and load it back, to reuse a long prefix without prefilling it again.
+
+A saved cache is a folder of two files, and never a pickle:
+
+- ``kv.safetensors``: every tensor the cache holds (any dtype, copied to the host);
+- ``manifest.json``: the format and kvweave version, the method spec, a fingerprint of the model (its
+  architecture numbers and a hash of its key-projection weights), the tokens cached, the prompt's token ids
+  (when given), the SHA-256 of the tensor file, and the layers' state as a tree of plain JSON values whose
+  tensors are named entries of the tensor file.
+
+The state tree is taken generically from the layer objects: numbers, strings, lists, tuples, dicts, devices,
+dtypes, tensors, and objects of kvweave's own classes (and of transformers' cache layers), rebuilt on load
+with ``cls.__new__`` and their saved attributes (classes from any other module are refused on both sides).
+Objects shared between layers stay shared. What is built from the model (its rotary embedding, RoPE tables,
+the tokenizer) is not saved: a fresh cache for the same method and model provides it.
+
+Loading refuses, with the reason and the way out: a folder without a manifest, a manifest of another format
+or version, a tensor file whose checksum does not match (corrupt or edited), a model whose fingerprint differs
+from the one the cache was made with, a method kvweave does not know.
+
+    cache = kvweave.make_cache("dkcache", model)
+    model(prefix_ids, past_key_values=cache)            # prefill the long prefix once
+    kvweave.save_cache(cache, model, "prefix.kv", prompt_ids=prefix_ids)
+    ...
+    cache, manifest = kvweave.load_cache("prefix.kv", model)
+    model.generate(torch.cat([prefix_ids, question_ids], 1), past_key_values=cache)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "kvweave-cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = "kv.safetensors"
+_ALLOWED_MODULES = ("kvweave.", "transformers.cache_utils")
+_FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "hidden_size", "vocab_size", "max_position_embeddings")
+
+
+class CacheFileError(ValueError):
+    """A saved cache that cannot be loaded (missing, corrupt, another format, another model)."""
+
+
+@dataclasses.dataclass
+class Manifest:
+    """What ``manifest.json`` says about a saved cache."""
+
+    method: str
+    tokens: int
+    rows: int
+    model: dict[str, Any]
+    prompt_ids: list[list[int]] | None
+    kvweave: str
+    path: Path
+
+
+# ------------------------------------------------------------------------------------------ fingerprint
+
+
+def model_fingerprint(model: Any) -> dict[str, Any]:
+    """Architecture numbers that decide the cache layout, the RoPE base, and a hash of the key projections of
+    the first and last layers (so another checkpoint of the same architecture is told apart)."""
+    from kvweave._compat import text_config
+
+    config = text_config(model.config)
+    found: dict[str, Any] = {name: getattr(config, name, None) for name in _FINGERPRINT_FIELDS}
+    rope = getattr(config, "rope_theta", None)
+    if rope is None:
+        parameters = getattr(config, "rope_parameters", None) or {}
+        rope = parameters.get("rope_theta") if isinstance(parameters, dict) else None
+    found["rope_theta"] = float(rope) if rope is not None else None
+    keys = [p for name, p in model.named_parameters() if name.endswith("k_proj.weight")]
+    chosen = [keys[0], keys[-1]] if keys else list(model.parameters())[:1]
+    digest = hashlib.sha256()
+    for weight in chosen:
+        digest.update(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    found["weights_sha256"] = digest.hexdigest()[:16]
+    return found
+
+
+# ------------------------------------------------------------------------------------------- state tree
+
+
+def _allowed(cls: type) -> bool:
+    return cls.__module__.startswith(_ALLOWED_MODULES)
+
+
+def _rebuilt(obj: Any) -> bool:
+    """Objects made from the model (not state): a fresh cache provides them."""
+    if isinstance(obj, torch.nn.Module) or getattr(type(obj), "rebuilt_on_load", False):
+        return True
+    return type(obj).__name__.endswith(("Tokenizer", "TokenizerFast")) or hasattr(obj, "convert_ids_to_tokens")
+
+
+class _Encoder:
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensor_names: dict[tuple[int, str], str] = {}
+        self.object_ids: dict[int, int] = {}
+        self.keep: list[Any] = []  # keeps encoded objects alive so their ids stay unique
+
+    def encode(self, obj: Any, path: str) -> Any:
+        from kvweave.cache import KVCache, Method
+
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, torch.device):
+            return {"__device__": str(obj)}
+        if isinstance(obj, torch.dtype):
+            return {"__dtype__": str(obj).removeprefix("torch.")}
+        if isinstance(obj, enum.Enum) and _allowed(type(obj)):
+            return {"__enum__": _qualified(type(obj)), "name": obj.name}
+        if isinstance(obj, list):
+            return [self.encode(item, f"{path}[{i}]") for i, item in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return {"__tuple__": [self.encode(item, f"{path}[{i}]") for i, item in enumerate(obj)]}
+        if isinstance(obj, (set, frozenset)):
+            items = [self.encode(item, f"{path}.item") for item in obj]
+            return {"__set__": items, "frozen": isinstance(obj, frozenset)}
+        if isinstance(obj, dict):
+            if all(isinstance(key, str) for key in obj):
+                return {"__dict__": {key: self.encode(value, f"{path}.{key}") for key, value in obj.items()}}
+            return {"__pairs__": [[self.encode(key, f"{path}.key"), self.encode(value, f"{path}[{key!r}]")]
+                                  for key, value in obj.items()]}
+        if obj is self.cache or isinstance(obj, KVCache):
+            return {"__cache__": True}
+        if isinstance(obj, Method):
+            return {"__method__": obj.spec()}
+        if _rebuilt(obj):
+            return {"__rebuilt__": path}
+        if _allowed(type(obj)) and hasattr(obj, "__dict__"):
+            known = self.object_ids.get(id(obj))
+            if known is not None:
+                return {"__ref__": known}
+            self.object_ids[id(obj)] = len(self.object_ids)
+            self.keep.append(obj)
+            state = {key: self.encode(value, f"{path}.{key}") for key, value in vars(obj).items()}
+            return {"__object__": _qualified(type(obj)), "id": self.object_ids[id(obj)], "state": state}
+        raise TypeError(f"kvweave.save_cache: cannot save a {type(obj).__module__}.{type(obj).__qualname__} "
+                        f"(at {path}); only tensors, plain values and kvweave's own objects are saved")
+
+    def _tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """A tensor as a view of a saved storage: each storage is saved once, whole (bytes), so tensors that share
+        one (views, slack capacity of growing buffers) share it again after loading, and bytes held match."""
+        node: dict[str, Any] = {"dtype": str(tensor.dtype).removeprefix("torch."), "size": list(tensor.shape),
+                                "device": str(tensor.device)}
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return {"__tensor__": None, **node}
+        key = (storage.data_ptr(), str(tensor.device))
+        name = self.tensor_names.get(key)
+        if name is None:
+            name = f"s{len(self.tensors)}"
+            self.tensor_names[key] = name
+            whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            self.tensors[name] = whole.detach().to("cpu").clone()
+            self.keep.append(tensor)
+        return {"__tensor__": name, "offset": tensor.storage_offset(), "stride": list(tensor.stride()), **node}
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _resolve(qualified: str) -> type:
+    module, _, name = qualified.partition(":")
+    if not module.startswith(_ALLOWED_MODULES):
+        raise CacheFileError(f"saved cache names class {qualified!r}, which kvweave does not load (only its own "
+                             "classes and transformers' cache layers); the file was not written by kvweave")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise CacheFileError(f"saved cache needs class {qualified!r}, which this kvweave does not have ({err}); "
+                             "load it with the kvweave version that saved it, or prefill again") from err
+    if not isinstance(obj, type):
+        raise CacheFileError(f"saved cache names {qualified!r}, which is not a class")
+    return obj
+
+
+class _Decoder:
+    def __init__(self, tensors: dict[str, torch.Tensor], cache: Any, fresh: Any, device: torch.device) -> None:
+        self.tensors, self.cache, self.fresh, self.device = tensors, cache, fresh, device
+        self.objects: dict[int, Any] = {}
+        self.storages: dict[tuple[str, str], torch.Tensor] = {}
+
+    def decode(self, node: Any) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.decode(item) for item in node]
+        if not isinstance(node, dict) or len(node) == 0:
+            raise CacheFileError(f"saved cache state holds an unreadable entry: {node!r:.80}")
+        if "__tensor__" in node:
+            return self._tensor(node)
+        if "__float__" in node:
+            return float(node["__float__"])
+        if "__device__" in node:
+            saved = torch.device(node["__device__"])
+            return saved if saved.type == "cpu" else self.device
+        if "__dtype__" in node:
+            dtype = getattr(torch, str(node["__dtype__"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CacheFileError(f"saved cache names an unknown dtype {node['__dtype__']!r}")
+            return dtype
+        if "__enum__" in node:
+            return _resolve(node["__enum__"])[node["name"]]  # type: ignore[index]
+        if "__tuple__" in node:
+            return tuple(self.decode(item) for item in node["__tuple__"])
+        if "__dict__" in node:
+            return {key: self.decode(value) for key, value in node["__dict__"].items()}
+        if "__set__" in node:
+            items = {self.decode(item) for item in node["__set__"]}
+            return frozenset(items) if node.get("frozen") else items
+        if "__pairs__" in node:
+            return {self.decode(key): self.decode(value) for key, value in node["__pairs__"]}
+        if "__cache__" in node:
+            return self.cache
+        if "__method__" in node:
+            return self.cache.method
+        if "__rebuilt__" in node:
+            return self._fresh(node["__rebuilt__"])
+        if "__ref__" in node:
+            if node["__ref__"] not in self.objects:
+                raise CacheFileError("saved cache state refers to an object before defining it")
+            return self.objects[node["__ref__"]]
+        if "__object__" in node:
+            cls = _resolve(node["__object__"])
+            obj: Any = object.__new__(cls)
+            self.objects[node["id"]] = obj
+            for key, value in node["state"].items():
+                object.__setattr__(obj, key, self.decode(value))
+            return obj
+        raise CacheFileError(f"saved cache state holds an unknown entry: {sorted(node)}")
+
+    def _tensor(self, node: dict[str, Any]) -> torch.Tensor:
+        dtype = getattr(torch, str(node.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CacheFileError(f"saved cache names an unknown dtype {node.get('dtype')!r}")
+        device = torch.device("cpu") if str(node.get("device", "cpu")) == "cpu" else self.device
+        name = node["__tensor__"]
+        if name is None:
+            return torch.empty(node["size"], dtype=dtype, device=device)
+        key = (name, str(device))
+        whole = self.storages.get(key)
+        if whole is None:
+            saved = self.tensors.get(name)
+            if saved is None:
+                raise CacheFileError(f"saved cache state names tensor {name!r}, which the tensor file lacks; the "
+                                     "folder is incomplete")
+            whole = self.storages[key] = saved.to(device)
+        storage = whole.untyped_storage()
+        size, stride, offset = node["size"], node["stride"], int(node["offset"])
+        extent = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1 if all(size) else 0
+        if extent * dtype.itemsize > storage.nbytes():
+            raise CacheFileError(f"saved tensor {name!r} is smaller than a view of it needs; the file is corrupt")
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+
+    def _fresh(self, path: str) -> Any:
+        """The object at ``path`` (``layers[3].table``, ``shared.dkcache.rope.x``) of the newly built cache
+        (read before its layers are replaced by the restored ones)."""
+        obj: Any = self.fresh
+        head, _, rest = path.partition(".")
+        if head.startswith("layers["):
+            obj = obj.layers[int(head[len("layers["):-1])]
+        elif head == "shared":
+            for key in sorted(obj.shared, key=len, reverse=True):  # shared keys may contain dots
+                if rest == key or rest.startswith(key + "."):
+                    obj, rest = obj.shared[key], rest[len(key) + 1:]
+                    break
+            else:
+                raise CacheFileError(f"a fresh cache has no shared {rest!r} to rebuild; the method changed")
+        for part in (p for p in rest.split(".") if p):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise CacheFileError(f"a fresh cache has no {path!r} to rebuild; the method's layers changed")
+        return obj
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids: Any = None) -> Path:
+    """Write ``cache`` (a :class:`kvweave.KVCache` after a prefill) to the folder ``path``.
+
+    ``prompt_ids`` (``[n]`` or ``[B, n]``), when given, are recorded so a loader can check that its prompt
+    continues the cached one. The files are written to a temporary name and renamed, so an interrupted save
+    never leaves a folder that looks complete. Returns the folder.
+    """
+    from kvweave import __version__
+    from kvweave.cache import KVCache
+
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"kvweave.save_cache saves a kvweave.KVCache (from kvweave.make_cache), not a "
+                        f"{type(cache).__name__}")
+    tokens = max((layer.get_seq_length() for layer in cache.layers), default=0)
+    if tokens == 0:
+        raise ValueError("kvweave.save_cache: the cache is empty; run the prompt through the model first")
+    encoder = _Encoder(cache)
+    state = {
+        "layers": [encoder.encode(layer, f"layers[{i}]") for i, layer in enumerate(cache.layers)],
+        "shared": {key: encoder.encode(value, f"shared.{key}") for key, value in cache.shared.items()
+                   if key not in ("token_ids", "tokenizer")},
+    }
+    ids = None
+    if prompt_ids is not None:
+        ids = torch.as_tensor(prompt_ids).reshape(-1, torch.as_tensor(prompt_ids).shape[-1]).tolist()
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
+        partial = Path(handle.name)
+    try:
+        save_file(encoder.tensors, str(partial), metadata={"format": FORMAT})
+        digest = _sha256(partial)
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "kvweave": __version__,
+            "method": cache.method.spec(), "tokens": tokens, "rows": cache.batch_rows(),
+            "model": model_fingerprint(model), "prompt_ids": ids,
+            "tensors": {"file": TENSORS, "sha256": digest, "count": len(encoder.tensors)},
+            "state": state,
+        }
+        os.replace(partial, folder / TENSORS)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    text = json.dumps(manifest)
+    temporary = folder / (MANIFEST + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, folder / MANIFEST)
+    return folder
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the saved cache at ``path`` (checked for format and version, not yet for the model)."""
+    folder = Path(path)
+    file = folder / MANIFEST
+    if not folder.is_dir():
+        raise CacheFileError(f"{folder}: no such folder; save a cache there first (kvweave.save_cache or "
+                             "`kvweave generate --save-cache`)")
+    if not file.is_file():
+        raise CacheFileError(f"{folder}: no {MANIFEST}; this is not a saved kvweave cache (or its save was "
+                             "interrupted): save it again")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CacheFileError(f"{file}: unreadable ({err}); the saved cache is corrupt: save it again") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CacheFileError(f"{file}: not a kvweave cache manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CacheFileError(f"{file}: cache format version {manifest.get('format_version')}, this kvweave reads "
+                             f"version {FORMAT_VERSION}; save the cache again with this kvweave")
+    for key in ("method", "tokens", "model", "tensors", "state"):
+        if key not in manifest:
+            raise CacheFileError(f"{file}: the manifest lacks {key!r}; the saved cache is corrupt: save it again")
+    return manifest
+
+
+def load_cache(path: str | os.PathLike[str], model: Any) -> tuple[Any, Manifest]:
+    """Load the cache saved at ``path`` for ``model``: ``(cache, manifest)``. The cache continues exactly where
+    the saved one stopped (``model.generate`` with the cached prompt followed by new tokens)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from kvweave.cache import make_cache
+
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    expected = manifest["model"]
+    found = model_fingerprint(model)
+    differ = [f"{key}: saved {expected.get(key)!r}, this model {found.get(key)!r}"
+              for key in sorted(set(expected) | set(found)) if expected.get(key) != found.get(key)]
+    if differ:
+        raise CacheFileError(f"{folder}: the cache was saved from another model ({'; '.join(differ)}); load it "
+                             "with the model that made it, or prefill this model again")
+    file = folder / str(manifest["tensors"].get("file", TENSORS))
+    if not file.is_file():
+        raise CacheFileError(f"{folder}: the tensor file {file.name} is missing; save the cache again")
+    if _sha256(file) != manifest["tensors"].get("sha256"):
+        raise CacheFileError(f"{file}: checksum mismatch, the tensor file is corrupt or was changed after saving; "
+                             "save the cache again")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise CacheFileError(f"{file}: unreadable tensor file ({err}); save the cache again") from err
+    try:
+        cache = make_cache(manifest["method"], model)
+    except ValueError as err:
+        raise CacheFileError(f"{folder}: cannot rebuild method {manifest['method']!r}: {err}") from err
+    device = next(model.parameters()).device
+    decoder = _Decoder(tensors, cache, cache, device)  # model-built parts come from the new cache's own layers
+    layers = manifest["state"]["layers"]
+    if len(layers) != len(cache.layers):
+        raise CacheFileError(f"{folder}: {len(layers)} saved layers, the model has {len(cache.layers)}")
+    try:
+        restored = [decoder.decode(node) for node in layers]
+        shared = {key: decoder.decode(node) for key, node in manifest["state"]["shared"].items()}
+    except (KeyError, TypeError, ValueError) as err:
+        if isinstance(err, CacheFileError):
+            raise
+        raise CacheFileError(f"{folder}: the saved state is malformed ({err!r}); save the cache again") from err
+    for index, layer in enumerate(restored):
+        if type(layer) is not type(cache.layers[index]):
+            raise CacheFileError(f"{folder}: layer {index} was saved as {type(layer).__name__}, the method now "
+                                 f"builds {type(cache.layers[index]).__name__}; save the cache again")
+    cache.layers = restored
+    cache.shared.update(shared)
+    info = Manifest(method=manifest["method"], tokens=int(manifest["tokens"]), rows=int(manifest.get("rows", 0)),
+                    model=expected, prompt_ids=manifest.get("prompt_ids"), kvweave=str(manifest.get("kvweave")),
+                    path=folder)
+    return cache, info
