@@ -472,3 +472,21 @@ def test_compensated_padded_batch_takes_the_general_path(model, batch, monkeypat
         assert cache.layers[0].held_group is None and cache.layers[0].groups[0] > 1
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert _logit_gap(*outs) <= 1e-5
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_page_summaries_are_min_max_of_each_pages_real_keys(model, batch, padded):
+    """After prefill and while decoding (pages filling one token at a time), every page's summary is the
+    per-channel min / max of the real keys it holds, as attention sees them (post-RoPE here)."""
+    ids, mask = batch if padded else (batch[0][:1], batch[1][:1])
+    for new_tokens in (1, 4, 7):  # the prefill alone, then pages filled token by token
+        cache = kvweave.make_cache("dkcache:core=4,steady=12,page=4,pages=2,sinks=2", model)
+        _generate(model, ids, mask, cache, new_tokens=new_tokens)
+        layer = cache.layers[0]
+        layer._refresh_summaries(torch.float32)
+        far = layer.far
+        for row, paged in enumerate(far.paged_lengths()):
+            for page in range(-(-paged // far.page)):
+                real = far.store["keys"][row, :, page * far.page: min(paged, (page + 1) * far.page)]
+                torch.testing.assert_close(far.page_min[row, :, page], real.amin(1))
+                torch.testing.assert_close(far.page_max[row, :, page], real.amax(1))

@@ -603,14 +603,19 @@ class _Tier:
         return [t for part in (*self.parts.values(), self.positions) for t in part.tensors()]
 
 
-def _write_range(buffer: torch.Tensor, dim: int, low: int, block: torch.Tensor, source: torch.Tensor) -> None:
+def _write_range(buffer: torch.Tensor, dim: int, low: int, block: torch.Tensor, source: torch.Tensor,
+                 uniform: int | None = None) -> None:
     """``buffer[b, .., low + w, ..] = block[b, .., source[b, w], ..]`` where ``0 <= source < n``, else unchanged.
 
     Rows write different entries of ``block`` at the same destination range without a host sync or a
-    per-token loop: each destination gathers its source (``source: [B, W]`` int64).
+    per-token loop: each destination gathers its source (``source: [B, W]`` int64). ``uniform``: the caller
+    knows every row's source is ``uniform, uniform + 1, ..`` (no padding): a plain copy.
     """
     b, width = source.shape
     n = block.shape[dim]
+    if uniform is not None and 0 <= uniform and uniform + width <= n:  # every row reads the same valid range
+        buffer.narrow(dim, low, width).copy_(block.narrow(dim, uniform, width))
+        return
     shape = [b] + [1] * (dim - 1) + [width] + [1] * (block.dim() - dim - 1)
     expand = list(block.shape)
     expand[dim] = width
@@ -661,6 +666,7 @@ class _FarTier:
         if self.keep_pages and high > low:
             self._reserve(high, keys, values)
             source = (torch.arange(low, high, device=keys.device).view(1, -1) + self.sinks - start).to(self.device)
+            uniform = low + self.sinks - starts[0] if len(set(starts)) == 1 else None
             blocks: dict[str, torch.Tensor] = {"positions": positions.to(torch.int32)}
             if self.quantized:
                 (blocks["keys"], blocks["key_scales"]), (blocks["values"], blocks["value_scales"]) = (
@@ -668,7 +674,8 @@ class _FarTier:
             else:
                 blocks["keys"], blocks["values"] = keys, values
             for name, block in blocks.items():
-                _write_range(self.store[name], 2 if name != "positions" else 1, low, block.to(self.device), source)
+                _write_range(self.store[name], 2 if name != "positions" else 1, low, block.to(self.device), source,
+                             uniform)
             self.clean_pages = min(self.clean_pages, low // self.page)
         self.lengths = [max(length, s + n) for length, s in zip(self.lengths, starts, strict=True)]
 
@@ -692,10 +699,11 @@ class _FarTier:
             fresh[name].narrow(-1 if name == "positions" else 2, 0, capacity).copy_(old)
         self.store = fresh
 
-    def pages_of(self, pages: torch.Tensor, dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pages_of(self, pages: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                 with_positions: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Whole pages ``pages: [B, H, k]`` -> ``keys, values: [B, H, k·page, D]`` (``dtype``), ``positions
-        [B, H, k·page]``: one row copy per page (the store is contiguous and whole pages long)."""
+        [B, H, k·page]`` (``None`` unless ``with_positions``): one row copy per page (the store is contiguous
+        and whole pages long)."""
         pages = pages.to(self.device)
         b, h, k = pages.shape
         count = self.store["positions"].shape[1] // self.page
@@ -706,13 +714,17 @@ class _FarTier:
             part = self.store[name]
             return part.view(b * h * count, -1).index_select(0, flat).view(b, h, k * self.page, -1).to(device)
 
-        rows = (torch.arange(b, device=self.device).view(b, 1, 1) * count + pages).flatten()
-        positions = self.store["positions"].view(b * count, self.page).index_select(0, rows)
-        positions = positions.view(b, h, k * self.page).to(device, torch.int64)
+        positions = None
+        if with_positions:
+            rows = (torch.arange(b, device=self.device).view(b, 1, 1) * count + pages).flatten()
+            positions = self.store["positions"].view(b * count, self.page).index_select(0, rows)
+            positions = positions.view(b, h, k * self.page).to(device, torch.int64)
         if self.quantized:
             return (dequantize_int8(take("keys"), take("key_scales"), dtype),
                     dequantize_int8(take("values"), take("value_scales"), dtype), positions)
-        return take("keys").to(dtype), take("values").to(dtype), positions
+        keys, values = take("keys"), take("values")
+        return keys if keys.dtype == dtype else keys.to(dtype), values if values.dtype == dtype else values.to(dtype), \
+            positions
 
     def page_range(self, first: int, last: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1015,7 +1027,7 @@ class DKCacheLayer(CompressedLayer):
         b, hq, n, d = query.shape
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
         if self.far is not None:  # keys, values, slots, validity, bias
-            parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype)]
+            parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype, False)]
         for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
             if len(tier):
                 keys, values, positions = tier.read(dtype)
@@ -1075,7 +1087,7 @@ class DKCacheLayer(CompressedLayer):
         q, qg = query.reshape(b, h, hq // h * n, d), query_grouped.reshape(b, h, hq // h * n, d)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         if self.far is not None:
-            for (keys, values, _, slots), ok in self._far_parts(query_grouped, dtype):
+            for (keys, values, _, slots), ok in self._far_parts(query_grouped, dtype, False):
                 parts.append((qg @ keys.to(qg.dtype).transpose(-1, -2), values, slots, ok))
         for tier in (self.steady_tier, self.core_tier):
             if not len(tier):
@@ -1166,8 +1178,8 @@ class DKCacheLayer(CompressedLayer):
             self.far.clean_pages = 0
         self.rotated = False
 
-    def _far_parts(self, query: torch.Tensor,
-                   dtype: torch.dtype) -> list[tuple[_Part, torch.Tensor]]:
+    def _far_parts(self, query: torch.Tensor, dtype: torch.dtype,
+                   with_positions: bool = True) -> list[tuple[_Part, torch.Tensor]]:
         """Sinks and the retrieved far pages as attention parts (keys, values, positions, slots) + validity."""
         assert self.far is not None
         far, parts = self.far, list[tuple[_Part, torch.Tensor]]()
@@ -1180,14 +1192,15 @@ class DKCacheLayer(CompressedLayer):
                           index < count.view(-1, 1, 1)))
         self.pages_last = None
         if far.keep_pages and far.page_count():
-            retrieved = self._retrieve(query, dtype)
+            retrieved = self._retrieve(query, dtype, with_positions)
             if retrieved is not None:
                 parts.append(retrieved)
         return parts
 
-    def _retrieve(self, query: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[_Part, torch.Tensor] | None:
-        """The top ``pages`` far pages per (row, KV head) by the upper bound of ``q·k``."""
+    def _retrieve(self, query: torch.Tensor, dtype: torch.dtype,
+                  with_positions: bool = True) -> tuple[_Part, torch.Tensor] | None:
+        """The top ``pages`` far pages per (row, KV head) by the upper bound of ``q·k`` (their positions only
+        ``with_positions``: the paths that hold keys as attention sees them do not read them)."""
         assert self.far is not None
         far = self.far
         rows_on = torch.ones(self.rows, dtype=torch.bool, device=self.device)
@@ -1202,18 +1215,24 @@ class DKCacheLayer(CompressedLayer):
         h = far.page_min.shape[1]
         bounds = page_upper_bounds(query.reshape(b, h, hq // h * n, d), far.page_min[:, :, :count],
                                    far.page_max[:, :, :count]).amax(2)  # [B, H, P]
-        paged = torch.tensor(far.paged_lengths(), device=self.device).view(-1, 1, 1)
-        page_ok = torch.arange(count, device=self.device).view(1, 1, -1) * far.page < paged
-        top = bounds.masked_fill(~page_ok, float("-inf")).topk(min(self.method.pages, count), dim=-1)
-        chosen = page_ok.expand(b, h, -1).gather(2, top.indices) & rows_on.view(-1, 1, 1)
+        lengths = far.paged_lengths()
+        if len(set(lengths)) == 1:  # rows hold the same far tokens (no padding): every page < count is real
+            paged: torch.Tensor | int = lengths[0]
+            top = bounds.topk(min(self.method.pages, count), dim=-1)
+            chosen = rows_on.view(-1, 1, 1).expand(b, h, top.indices.shape[-1])
+        else:
+            paged = torch.tensor(lengths, device=self.device).view(-1, 1, 1)
+            page_ok = torch.arange(count, device=self.device).view(1, 1, -1) * far.page < paged
+            top = bounds.masked_fill(~page_ok, float("-inf")).topk(min(self.method.pages, count), dim=-1)
+            chosen = page_ok.expand(b, h, -1).gather(2, top.indices) & rows_on.view(-1, 1, 1)
         self.pages_last = chosen.sum(-1)
         self.pages_total = self.pages_last if self.pages_total is None else self.pages_total + self.pages_last
         self.retrieval_steps += 1
         index = (top.indices.unsqueeze(-1) * far.page + torch.arange(far.page, device=self.device)).flatten(2)
-        keys, values, positions = far.pages_of(top.indices, dtype, self.device)
+        keys, values, positions = far.pages_of(top.indices, dtype, self.device, with_positions)
         ok = (index < paged) & chosen.repeat_interleave(far.page, dim=2)
         slots = self.pad_count.view(-1, 1, 1) + far.sinks + index if self.pad_count is not None else index
-        return (keys, values, positions, slots), ok
+        return (keys, values, positions, slots), ok  # type: ignore[return-value]
 
     def _refresh_summaries(self, dtype: torch.dtype) -> None:
         """Per-channel min/max of each page's keys as attention sees them (rotated at the grouped positions the
@@ -1236,15 +1255,26 @@ class DKCacheLayer(CompressedLayer):
         page_min, page_max = far.page_min, far.page_max
         assert page_min is not None and page_max is not None
         groups = torch.tensor(self.groups, device=self.device).view(-1, 1, 1)
-        paged = torch.tensor(far.paged_lengths(), device=self.device).view(-1, 1, 1, 1)
+        lengths = far.paged_lengths()
+        paged = torch.tensor(lengths, device=self.device).view(-1, 1, 1, 1)
         step = max(1, CHUNK_ELEMENTS // max(1, b * h * far.page * d))
         for low in range(far.clean_pages, count, step):
             high = min(count, low + step)
             keys, positions = far.page_range(low, high, dtype, self.device)
             if self.table is not None and not self.rotated and self.held_group is None:
                 keys = self.table.rotate(keys, positions.unsqueeze(1) // groups)
-            index = torch.arange(low * far.page, high * far.page, device=self.device).view(1, 1, -1, 1)
             keys = keys.float().reshape(b, h, high - low, far.page, d)
+            if len(set(lengths)) == 1:  # the same far tokens in every row: only the last page is partial
+                whole = max(0, min(high, lengths[0] // far.page) - low)
+                if whole:
+                    page_min[:, :, low:low + whole] = keys[:, :, :whole].amin(3)
+                    page_max[:, :, low:low + whole] = keys[:, :, :whole].amax(3)
+                if low + whole < high:
+                    rest = keys[:, :, whole, : lengths[0] - (low + whole) * far.page]
+                    page_min[:, :, low + whole] = rest.amin(2)
+                    page_max[:, :, low + whole] = rest.amax(2)
+                continue
+            index = torch.arange(low * far.page, high * far.page, device=self.device).view(1, 1, -1, 1)
             ok = (index < paged).view(b, 1, high - low, far.page, 1)
             any_ok = ok.any(3)
             page_min[:, :, low:high] = keys.masked_fill(~ok, float("inf")).amin(3).masked_fill(~any_ok, 0)
