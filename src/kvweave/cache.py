@@ -364,9 +364,20 @@ class CompressedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hand the new ``[B, H, q, D]`` tensors to kvweave's attention, which calls :meth:`attend`."""
+        """Hand the new ``[B, H, q, D]`` tensors to kvweave's attention, which calls :meth:`attend`.
+
+        A prefill (more than one new token) is checked for NaN/Inf first: compressing them would give garbage
+        without a sign (one check per layer per prompt; single decode tokens are not checked, which would cost
+        a device sync per layer per step)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if key_states.shape[2] > 1 and not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
+            raise ValueError(
+                f"{self.cache.method.name}: layer {self.layer_idx} received NaN/Inf keys or values for "
+                f"{key_states.shape[2]} new tokens, so the model's activations overflowed; a compressed cache "
+                "cannot hold them. Run the model in float32 or bfloat16 (float16 overflows on long prompts), "
+                "or check its weights."
+            )
         mark_pending(self, key_states)
         return key_states, value_states
 

@@ -172,3 +172,21 @@ def test_shared_prefill_replay_equals_real_prefill(name, arch):
     assert replayed.nbytes() == real.nbytes()
     assert replayed.get_seq_length() == real.get_seq_length()
     assert torch.equal(_generate(model, full_ids, None, real), _generate(model, full_ids, None, replayed))
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not METHODS[n].exact])
+def test_nan_in_prompt_keys_is_refused_with_the_way_out(name):
+    """A prompt whose keys or values hold NaN/Inf (an overflowing model) is refused, never compressed."""
+    model = tiny_model("llama")
+    cache = kvweave.make_cache(_method(name), model)
+    layer = cache.layers[0]
+    heads, dim = cache.num_kv_heads, cache.head_dim
+    key, value = torch.randn(1, heads, 8, dim), torch.randn(1, heads, 8, dim)
+    bad_key = key.clone()
+    bad_key[0, 0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN/Inf.*float32 or bfloat16"):
+        layer.update(bad_key, value, 0)
+    bad_value = value.clone()
+    bad_value[0, 1, 5, 0] = float("inf")
+    with pytest.raises(ValueError, match=f"{name}: layer 0"):
+        kvweave.make_cache(_method(name), model).layers[0].update(key, bad_value, 0)
