@@ -11,8 +11,10 @@ A saved cache is a folder of two files, and never a pickle:
 The state tree is taken generically from the layer objects: numbers, strings, lists, tuples, dicts, devices,
 dtypes, tensors, and objects of kvweave's own classes (and of transformers' cache layers), rebuilt on load
 with ``cls.__new__`` and their saved attributes (classes from any other module are refused on both sides).
-Objects shared between layers stay shared. What is built from the model (its rotary embedding, RoPE tables,
-the tokenizer) is not saved: a fresh cache for the same method and model provides it.
+Objects shared between layers stay shared. What is built from the model (its rotary embedding, RoPE tables) is
+not saved: a fresh cache for the same method and model provides it. Nor is a tokenizer handed to
+``cache.set_prompt`` (DepthWeave's router reads it): call ``cache.set_prompt(ids, tokenizer)`` on the loaded cache
+to give it again.
 
 Loading refuses, with the reason and the way out: a folder without a manifest, a manifest of another format
 or version, a tensor file whose checksum does not match (corrupt or edited), a model whose fingerprint differs
@@ -319,7 +321,7 @@ def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids:
     state = {
         "layers": [encoder.encode(layer, f"layers[{i}]") for i, layer in enumerate(cache.layers)],
         "shared": {key: encoder.encode(value, f"shared.{key}") for key, value in cache.shared.items()
-                   if key not in ("token_ids", "tokenizer")},
+                   if key != "tokenizer"},  # made outside the cache: cache.set_prompt(ids, tokenizer) again
     }
     ids = None
     if prompt_ids is not None:

@@ -129,3 +129,25 @@ def test_empty_cache_and_other_objects_are_not_saved(tmp_path):
         save_cache(kvweave.make_cache("full", model), model, tmp_path / "kv")
     with pytest.raises(TypeError, match="KVCache"):
         save_cache(object(), model, tmp_path / "kv")
+
+
+def test_depthweave_router_continues_exactly_across_folds(tmp_path):
+    """DepthWeave with its router (reads the prompt's token ids) folds decoded blocks into the bases after
+    loading exactly as the original cache does."""
+    model = tiny_model("llama")
+    torch.manual_seed(5)
+    prefix = torch.randint(3, 150, (1, 64))
+    spec = "depthweave:router=True,block=8,recent=8,group=2"
+    cache = kvweave.make_cache(spec, model)
+    cache.set_prompt(prefix)
+    with torch.no_grad():
+        model(prefix[:, :-1], **{cache_kwarg(model): cache})
+    save_cache(cache, model, tmp_path / "kv", prompt_ids=prefix[:, :-1])
+    loaded, _ = load_cache(tmp_path / "kv", model)
+    folds = loaded.layers[0].layer_stats()["folds"]
+    with torch.no_grad():
+        expected, expected_logits = _continue(model, cache, prefix, new_tokens=20)
+        got, got_logits = _continue(model, loaded, prefix, new_tokens=20)
+    assert loaded.layers[0].layer_stats()["folds"] > folds  # decoded blocks were folded after loading
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(got_logits, expected_logits, atol=0, rtol=0)
