@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt text")
     p.add_argument("--prompt-file", help="read the prompt from this file")
     p.add_argument("--method", default=None, help="method spec (default: full; with --load-cache: the saved one)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument(
         "--save-cache",
         metavar="DIR",

@@ -73,8 +73,8 @@ class Manifest:
 
 
 def model_fingerprint(model: Any) -> dict[str, Any]:
-    """Architecture numbers that decide the cache layout, the RoPE base, and a hash of the key projections of
-    the first and last layers (so another checkpoint of the same architecture is told apart)."""
+    """Architecture numbers that decide the cache layout, the RoPE base, a hash of the key projections of the
+    first and last layers (so another checkpoint of the same architecture is told apart) and the compute dtype."""
     from kvweave._compat import text_config
 
     config = text_config(model.config)
@@ -90,6 +90,7 @@ def model_fingerprint(model: Any) -> dict[str, Any]:
     for weight in chosen:
         digest.update(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     found["weights_sha256"] = digest.hexdigest()[:16]
+    found["dtype"] = str(chosen[0].dtype).removeprefix("torch.") if chosen else None  # the cache's dtype follows
     return found
 
 

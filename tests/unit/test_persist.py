@@ -88,6 +88,8 @@ def test_other_model_is_refused_with_the_differences(saved):
         load_cache(folder, other)
     with pytest.raises(CacheFileError, match="another model.*num_hidden_layers"):
         load_cache(folder, tiny_model("gemma3"))
+    with pytest.raises(CacheFileError, match="another model.*dtype: saved 'float32', this model 'bfloat16'"):
+        load_cache(folder, tiny_model("llama", dtype=torch.bfloat16))
 
 
 def test_missing_or_foreign_manifest_is_refused(saved, tmp_path):
