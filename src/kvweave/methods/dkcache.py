@@ -79,6 +79,10 @@ INT4_REFUSED = (
 )
 # Elements of one block of attention logits (float32) during a compensated prefill: ~128 MiB.
 CHUNK_ELEMENTS = 1 << 25
+GROWTH = 16
+"""Tier buffers and the far store grow by 1/GROWTH of their size when full (slack counts as memory held: a
+quarter made DK-Cache hold ~25 % more than its tokens after the first decode step; a copy per ~size/16 tokens
+is cheap)."""
 FAST_PREFILL = True
 """Compensated prefill of an unpadded prompt on the CPU through :func:`flash_remapped_prefill` (the chunked
 :func:`remapped_attention` is the reference, and the path for padded batches and accelerators)."""
@@ -499,7 +503,7 @@ class _Buffer:
             return
         if self.end + n > self.data.shape[self.dim]:
             needed = len(self) + n
-            self._reallocate(needed + max(16, needed // 4))
+            self._reallocate(needed + max(16, needed // GROWTH))
         self.data.narrow(self.dim, self.end, n).copy_(x)
         self.end += n
 
@@ -680,11 +684,11 @@ class _FarTier:
         self.lengths = [max(length, s + n) for length, s in zip(self.lengths, starts, strict=True)]
 
     def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Capacity for ``needed`` paged entries (whole pages); grows by at least a quarter."""
+        """Capacity for ``needed`` paged entries (whole pages); grows by at least 1/GROWTH."""
         capacity = self.store["positions"].shape[1] if self.store else 0
         if needed <= capacity:
             return
-        grown = needed if not self.store else needed + max(self.page, needed // 4)
+        grown = needed if not self.store else needed + max(self.page, needed // GROWTH)
         grown = -(-grown // self.page) * self.page
         b, h = keys.shape[:2]
         fresh = {"positions": torch.zeros(b, grown, dtype=torch.int32, device=self.device)}
