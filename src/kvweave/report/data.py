@@ -152,10 +152,12 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(finite) if finite else None
 
 
-def overview(summary: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+def overview(summary: list[dict[str, Any]], context: int | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     """``(columns, lines)``: one line per (model, method) with ``(accuracy, n)`` per task and context length
     (columns like ``passkey 4K``), mean compression, KV MB at the longest context and the median speed ratio
-    against ``full``."""
+    against ``full``; with ``context``, only the entries at that context length."""
+    if context is not None:
+        summary = [s for s in summary if s["context"] == context]
     keys = sorted({(s["task"], s["context"]) for s in summary})
     tasks = [column_label(task, context) for task, context in keys]
     groups: dict[tuple[Any, str], list[dict[str, Any]]] = defaultdict(list)

@@ -28,17 +28,32 @@ def _cell(accuracy: float | None, n: int) -> str:
 
 
 def overview_markdown(summary: list[dict[str, Any]]) -> str:
+    """One table per context length: accuracy (trials) per task for every (model, method) run at it, with
+    compression, memory and speed ratio at that length."""
+    parts = []
+    for context in sorted({entry["context"] for entry in summary}):
+        label = data.column_label("", context).strip()
+        parts += [f"### {label} tokens", "", overview_table(summary, context), ""]
+    return "\n".join(parts).rstrip()
+
+
+def overview_table(summary: list[dict[str, Any]], context: int | None = None) -> str:
     """Accuracy (trials) per task and context for every (model, method), with compression, memory and speed
-    ratio."""
-    tasks, lines = data.overview(summary)
+    ratio (only ``context`` when given)."""
+    tasks, lines = data.overview(summary, context)
     several = len({line["model"] for line in lines}) > 1
-    header = ["method", *tasks, "compression", "KV MiB (longest context)", "decode vs full"]
+    if context is not None:
+        tasks_shown = [t.rsplit(" ", 1)[0] for t in tasks]
+        memory = "KV MiB"
+    else:
+        tasks_shown, memory = tasks, "KV MiB (longest context)"
+    header = ["method", *tasks_shown, "compression", memory, "decode vs full"]
     rows = [
         [
             f"`{line['method']}`" if not several else f"{line['model']} `{line['method']}`",
             *[_cell(line["accuracy"][t], line["n"][t]) for t in tasks],
             _num(line["compression"], "%.2fx"),
-            f"{line['kv_mb']:.2f} @ {line['longest']}",
+            f"{line['kv_mb']:.2f}" if context is not None else f"{line['kv_mb']:.2f} @ {line['longest']}",
             _num(line["speed_vs_full"], "%.2f"),
         ]
         for line in lines
@@ -91,9 +106,10 @@ def render(runs: list[Run]) -> str:
     parts = [
         "## kvweave results",
         "",
-        "Accuracy per task and context length (number of trials in brackets), mean compression (16-bit "
-        "full-cache bytes / bytes held), KV memory at the longest context, and median decode speed as a ratio "
-        "against `full` measured in the same run (the median over the runs a method appears in).",
+        "One table per context length: accuracy per task (number of trials in brackets), mean compression "
+        "(16-bit full-cache bytes / bytes held), KV memory held (the largest sample), and median decode speed as "
+        "a ratio against `full` measured in the same run (the median over the runs a method appears in at that "
+        "length).",
         "",
         overview_markdown(summary),
         "",

@@ -178,12 +178,23 @@ def _fmt(value: Any, pattern: str, empty: str = "-") -> str:
     return empty if value is None else pattern % value
 
 
-def overview_table(summary: list[dict[str, Any]]) -> str:
-    """Accuracy (trials) per task and context for every (model, method), compression, memory, speed ratio."""
-    task_list, lines = data.overview(summary)
+def overview_tables(summary: list[dict[str, Any]]) -> str:
+    """One :func:`overview_table` per context length, each under its heading."""
+    return "".join(
+        f"<h3>{escape(data.column_label('', context).strip())} tokens</h3>{overview_table(summary, context)}"
+        for context in sorted({entry["context"] for entry in summary})
+    )
+
+
+def overview_table(summary: list[dict[str, Any]], context: int | None = None) -> str:
+    """Accuracy (trials) per task for every (model, method) run at ``context`` (every context when ``None``),
+    compression, memory, speed ratio."""
+    task_list, lines = data.overview(summary, context)
     several = len({line["model"] for line in lines}) > 1
-    head = ['<th class="name">method</th>'] + [f"<th>{escape(t)}</th>" for t in task_list]
-    head += ["<th>compression</th>", "<th>KV MiB (longest)</th>", "<th>decode vs full</th>"]
+    shown = [t.rsplit(" ", 1)[0] for t in task_list] if context is not None else task_list
+    head = ['<th class="name">method</th>'] + [f"<th>{escape(t)}</th>" for t in shown]
+    head += ["<th>compression</th>", "<th>KV MiB</th>" if context is not None else "<th>KV MiB (longest)</th>",
+             "<th>decode vs full</th>"]
     body = []
     for line in lines:
         cells = [f'<td class="name">{escape(_series_name(str(line["model"]), line["method"], several))}</td>']
@@ -191,7 +202,8 @@ def overview_table(summary: list[dict[str, Any]]) -> str:
             value, n = line["accuracy"][task], line["n"][task]
             cells.append(f"<td>{'-' if value is None else f'{100 * value:.0f}% <small>({n})</small>'}</td>")
         cells.append(f"<td>{_fmt(line['compression'], '%.2fx')}</td>")
-        cells.append(f"<td>{line['kv_mb']:.2f} @ {line['longest']}</td>")
+        cells.append(f"<td>{line['kv_mb']:.2f}</td>" if context is not None
+                     else f"<td>{line['kv_mb']:.2f} @ {line['longest']}</td>")
         cells.append(f"<td>{_fmt(line['speed_vs_full'], '%.2f')}</td>")
         body.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><tr>{''.join(head)}</tr>{''.join(body)}</table>"
@@ -267,11 +279,11 @@ def render(runs: list[Run]) -> str:
         f'<p class="note">{len(rows)} rows from {escape(names)}; generated {stamp}. Question-agnostic unless '
         "the command says <code>--question-aware</code>.</p>",
         '<section id="overview"><h2>Overview</h2>',
-        '<p class="note">Accuracy per task (mean over context lengths and trials), mean compression, KV '
-        "memory at the longest context, and median decode speed as a ratio against <code>full</code> "
-        "in the same run.</p>",
+        '<p class="note">One table per context length: accuracy per task (mean over trials, their number in '
+        "brackets), mean compression, KV memory held, and median decode speed as a ratio against "
+        "<code>full</code> in the same run.</p>",
         *([f'<p class="note">{escape(note)}</p>'] if (note := data.metric_note(r["task"] for r in summary)) else []),
-        overview_table(summary),
+        overview_tables(summary),
         "</section>",
         heatmap_section(rows),
         frontier_section(rows),
