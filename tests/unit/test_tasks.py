@@ -496,3 +496,32 @@ def test_code_lines_skip_strings_and_comments(tmp_path: Path) -> None:
     lines, cands = T._code_lines(str(path))
     assert [lines[i].strip() for i, _ in cands] == ["result = helper(5) + other(6)"]
     assert cands[0][1] == 0
+
+
+def test_first_line_complete_only_when_the_scored_line_has_ended() -> None:
+    """Generation of a code task may stop once this is true: the scored line cannot change afterwards."""
+    from kvweave.eval.tasks import first_code_line, first_line_complete
+
+    assert not first_line_complete("")
+    assert not first_line_complete("\n\n```python\n")  # blank lines and a fence: nothing scored yet
+    assert not first_line_complete("\n    return foo(a,")  # the line is still being written
+    assert first_line_complete("\n    return foo(a, b)\n")
+    assert first_line_complete("```\nx = f(1)\r\nmore")
+    for text, longer in (("  y = g(2)\n", "  y = g(2)\nz = 3\n"), ("```\nx = f(1)\n", "```\nx = f(1)\n```")):
+        assert first_code_line(text) == first_code_line(longer)  # stopping there leaves the score unchanged
+
+
+def test_code_generation_stops_after_the_first_line() -> None:
+    """The runner's stopping criterion ends generate() at the step that completes the first code line."""
+    import torch
+
+    from kvweave.eval.runner import FirstLineDone
+
+    class Tok:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join({1: "x = 1", 2: "\n", 3: "y"}.get(i, "") for i in ids)
+
+    done = FirstLineDone(Tok(), prompt_tokens=2)
+    assert not done(torch.tensor([[9, 9, 1]]), torch.zeros(1, 4))[0]
+    assert done(torch.tensor([[9, 9, 1, 2]]), torch.zeros(1, 4))[0]
+    assert not done(torch.tensor([[9, 9, 2]]), torch.zeros(1, 4))[0]  # a leading newline is not a line

@@ -148,6 +148,20 @@ class _StepClock:
         return scores
 
 
+class FirstLineDone:
+    """A stopping criterion for tasks scored on the first code line: stop once that line is complete (a
+    newline follows it). The score cannot change, since :func:`~kvweave.eval.tasks.first_code_line` of the
+    shorter prediction is the same line; the decode steps after it are saved."""
+
+    def __init__(self, tokenizer: Any, prompt_tokens: int) -> None:
+        self.tokenizer, self.prompt_tokens = tokenizer, prompt_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.prompt_tokens:].tolist(), skip_special_tokens=True)
+        done = task_lib.first_line_complete(text)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
 class SharedPrefill:
     """The exact prefill of the current sample, recorded once and replayed into each method's cache."""
 
@@ -179,7 +193,7 @@ def run_trial(
     shared: SharedPrefill | None = None,
 ) -> dict[str, Any]:
     """Prefill, compress, answer; one result row."""
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
     check_length(model, len(full_ids), config.beyond_trained)
@@ -200,6 +214,7 @@ def run_trial(
     max_new = config.max_new_tokens or spec.max_new_tokens
     clock = _StepClock()
     full = torch.tensor([full_ids])
+    stopping = StoppingCriteriaList([FirstLineDone(tokenizer, full.shape[1])] if spec.stop_after_line else [])
     with torch.no_grad():
         out = model.generate(
             full,
@@ -207,6 +222,7 @@ def run_trial(
             max_new_tokens=max_new,
             do_sample=False,
             logits_processor=LogitsProcessorList([clock]),
+            stopping_criteria=stopping,
             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
             **{kw: cache},
         )

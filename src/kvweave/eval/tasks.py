@@ -222,6 +222,16 @@ def first_code_line(prediction: str) -> str:
     return ""
 
 
+def first_line_complete(prediction: str) -> bool:
+    """Whether the line :func:`first_code_line` takes from ``prediction`` is finished (a line break follows it),
+    so no further token can change it."""
+    for line in prediction.splitlines(keepends=True):
+        text = line.strip()
+        if text and not text.startswith("```"):
+            return line.endswith(("\n", "\r"))
+    return False
+
+
 def _edit_sim(answers: list[str], prediction: str) -> float:
     if not answers:
         return 0.0
@@ -1289,6 +1299,7 @@ class TaskSpec:
     uses_depth: bool = True
     max_new_tokens: int = 128
     metric: str = "string_match_all"
+    stop_after_line: bool = False  # the score reads the first code line only: stop generating once it is complete
 
 
 def _spec(name: str, description: str, builder: Callable[[_Ctx], _Plan], **kw: Any) -> TaskSpec:
@@ -1405,6 +1416,7 @@ TASKS: dict[str, TaskSpec] = {
             uses_depth=False,
             max_new_tokens=48,
             metric="edit_sim",
+            stop_after_line=True,
         ),
     )
 }
