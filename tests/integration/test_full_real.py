@@ -45,6 +45,9 @@ def test_eval_passkey_runs_and_reports_bytes(smollm, tmp_path):
     assert (tmp_path / "rows.jsonl").exists() and (tmp_path / "config.json").exists()
     assert {r["metric"] for r in rows} == {"string_match_all"} and {r["haystack"] for r in rows} == {"repeat"}
     assert {r["max_new_tokens"] for r in rows} == {16}
+    for r in rows:  # the process peak of the trial holds the model and the cache at least
+        assert r["peak_memory_kind"] in ("process_peak_rss", None)
+        assert r["peak_memory_bytes"] is None or r["peak_memory_bytes"] > r["kv_bytes"]
 
 
 def test_eval_code_task_on_the_real_model(smollm, tmp_path):

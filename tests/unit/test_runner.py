@@ -268,3 +268,22 @@ def test_config_missing_task_data_fails_before_loading(tmp_path: Path, monkeypat
         small_config(tasks=["qa_quality"])
     with pytest.raises(FileNotFoundError, match=r"not found under .*pass --data DIR"):
         small_config(tasks=["qa_loogle"], data_dir=str(tmp_path))
+
+
+def test_peak_memory_is_per_trial_process_peak_on_linux() -> None:
+    """On the CPU the trial's peak is the process's resident high-water mark, reset when the trial starts, so a
+    large allocation before it does not count and one during it does."""
+    import torch
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no /proc/self/clear_refs: peak memory is not measured here")
+    before = bytearray(256 * 2**20)  # a peak before the trial
+    del before
+    peak = runner.PeakMemory(torch.device("cpu"))
+    assert peak.kind == "process_peak_rss"
+    quiet = peak.read()
+    assert quiet is not None
+    during = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB touched during the trial
+    loud = peak.read()
+    assert loud is not None and loud - quiet >= 200 * 2**20
+    del during

@@ -7,8 +7,8 @@ cache, and continues where the prefill stopped. ``question_aware=True`` puts the
 prefill instead.
 
 Every row records the method and options, task, context length, depth, seed, score, the KV bytes held (max
-over the run), the bytes a 16-bit ``DynamicCache`` would hold for the same tokens, prefill seconds and decode
-tokens per second. Rows are appended to ``rows.jsonl`` in the run folder as they finish; a rerun skips the
+over the run), the bytes a 16-bit ``DynamicCache`` would hold for the same tokens, prefill seconds, decode
+tokens per second and the trial's peak memory (:class:`PeakMemory`). Rows are appended to ``rows.jsonl`` in the run folder as they finish; a rerun skips the
 finished ones, so an interrupted run loses nothing.
 """
 
@@ -184,6 +184,49 @@ class SharedPrefill:
         return self.seconds + time.perf_counter() - start
 
 
+class PeakMemory:
+    """Peak memory of one trial: the CUDA allocator's peak on a GPU, else the process's peak resident memory
+    (Linux ``VmHWM``, reset per trial through ``/proc/self/clear_refs``; ``None`` where neither is available).
+    The process peak includes the model weights and activations, not only the cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.kind: str | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.kind = "cuda_max_allocated"
+        elif _reset_rss_peak():
+            self.kind = "process_peak_rss"
+
+    def read(self) -> int | None:
+        """Bytes at the peak since this object was made."""
+        if self.kind == "cuda_max_allocated":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.kind == "process_peak_rss":
+            return _rss_peak()
+        return None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+        return _rss_peak() is not None
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def run_trial(
     model: Any,
     tokenizer: Any,
@@ -197,6 +240,7 @@ def run_trial(
 
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
     check_length(model, len(full_ids), config.beyond_trained)
+    peak = PeakMemory(next(model.parameters()).device)
     cache = make_cache(trial.method, model)
     cache.set_prompt([prefill_ids], tokenizer)
     kw = cache_kwarg(model)
@@ -258,6 +302,8 @@ def run_trial(
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
         "attended": attended_entries(cache),
+        "peak_memory_bytes": peak.read(),
+        "peak_memory_kind": peak.kind,
         "key": trial.key(),
     }
 
