@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -25,13 +26,31 @@ def _split(text: str) -> list[str]:
     return items
 
 
+def _methods(text: str) -> list[str]:
+    """Method specs from a comma list, with option sweeps expanded: ``window:ratio=0.25|0.125`` is two specs
+    (several swept options give every combination)."""
+    specs = []
+    for item in _split(text):
+        name, _, options = item.partition(":")
+        choices = [[f"{key}={value}" for value in values.split("|")]
+                   for key, _, values in (pair.partition("=") for pair in options.split(",") if pair)]
+        for combination in itertools.product(*choices):
+            specs.append(name + (":" + ",".join(combination) if combination else ""))
+    return specs
+
+
 def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v.lower().replace("k", "000")) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token counts like 2048,4096, got {text!r}"
-        ) from None
+    """Token counts like ``2048,4096`` or ``4k,8K`` (k = 1024, as in "a 4K context")."""
+    values = []
+    for item in (v.strip().lower() for v in text.split(",")):
+        if not item:
+            continue
+        try:
+            values.append(int(float(item[:-1]) * 1024) if item.endswith("k") else int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated token counts like 2048,4096 or 4k,8k, got {text!r}"
+            ) from None
     return values
 
 
@@ -210,7 +229,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model=args.model,
         tasks=_split(args.task),
         contexts=args.context,
-        methods=_split(args.methods),
+        methods=_methods(args.methods),
         trials=args.trials,
         question_aware=args.question_aware,
         dtype=args.dtype,
@@ -253,7 +272,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         model=args.model,
         context=args.context,
         trials=args.trials,
-        methods=_split(args.methods) if args.methods else None,
+        methods=_methods(args.methods) if args.methods else None,
         out=args.out,
         dtype=args.dtype,
         max_new_tokens=args.max_new_tokens,
@@ -266,7 +285,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_ppl(args: argparse.Namespace) -> int:
     from kvweave.eval import perplexity
 
-    for spec in _split(args.methods):
+    for spec in _methods(args.methods):
         from kvweave.cache import parse_method
 
         parse_method(spec)
@@ -275,7 +294,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         _write_command(out)
-    rows = perplexity.run_perplexity(model, tokenizer, args.model, _split(args.methods), corpus=args.corpus,
+    rows = perplexity.run_perplexity(model, tokenizer, args.model, _methods(args.methods), corpus=args.corpus,
                                      window=args.window, target=args.target, windows=args.windows,
                                      data_dir=args.data, out_dir=out)
     summary = perplexity.summarize_perplexity(rows)
@@ -289,7 +308,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(args)
     text = task_lib.load_corpus(args.corpus, data_dir=args.data)
-    result = run_diagnostics(model, tokenizer, text, args.lengths, methods=_split(args.methods or ""))
+    result = run_diagnostics(model, tokenizer, text, args.lengths, methods=_methods(args.methods or ""))
     result["command"] = "kvweave " + " ".join(sys.argv[1:])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -390,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--task", default="passkey", help="comma-separated tasks (see kvweave.eval.tasks.TASKS)")
     p.add_argument("--context", type=_ints, default=[2048], help="comma-separated context lengths in tokens")
-    p.add_argument("--methods", default="full", help="comma-separated method specs")
+    p.add_argument("--methods", default="full",
+                   help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125")
     p.add_argument("--trials", type=int, default=3, help="trials per (task, length); depths spread 10-90%%")
     p.add_argument("--question-aware", action="store_true", help="put the question before compression")
     p.add_argument(
@@ -427,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Per window of --window tokens, prefill (and compress) all but the last "
                        "--target tokens, then score those by teacher forcing through the same cache.")
     model_args(p)
-    p.add_argument("--methods", default="full", help="comma-separated method specs")
+    p.add_argument("--methods", default="full",
+                   help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125")
     p.add_argument("--corpus", default="wikitext2_valid",
                    help="wikitext2_valid, wikitext2_test, tinyshakespeare (need --data/KVWEAVE_DATA), pydoc, code")
     p.add_argument("--window", type=int, default=4096, help="tokens per window")
