@@ -726,9 +726,7 @@ class _FarTier:
         if self.quantized:
             return (dequantize_int8(take("keys"), take("key_scales"), dtype),
                     dequantize_int8(take("values"), take("value_scales"), dtype), positions)
-        keys, values = take("keys"), take("values")
-        return keys if keys.dtype == dtype else keys.to(dtype), values if values.dtype == dtype else values.to(dtype), \
-            positions
+        return take("keys").to(dtype), take("values").to(dtype), positions  # .to is a no-op at the same dtype
 
     def page_range(self, first: int, last: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
