@@ -257,10 +257,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from kvweave.report import write_report
 
-    runs = write_report(args.runs, args.output, markdown=args.md)
+    runs = write_report(args.runs, args.output, markdown=args.md, csv=args.csv)
     print(f"report: {args.output} ({sum(len(r.rows) for r in runs)} rows from {len(runs)} run(s))")
     if args.md:
         print(f"summary: {args.md}")
+    if args.csv:
+        print(f"numbers: {args.csv}")
     return 0
 
 
@@ -278,7 +280,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
     )
     print(runner.format_table(summary))
-    print(f"\nrun folder: {folder}\nreport: {folder / 'report.html'}\nsummary: {folder / 'summary.md'}")
+    print(
+        f"\nrun folder: {folder}\nreport: {folder / 'report.html'}\nsummary: {folder / 'summary.md'} "
+        f"(numbers: {folder / 'summary.csv'})"
+    )
     return 0
 
 
@@ -469,6 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run folders (written by `kvweave eval --out` or `kvweave demo`)")
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--md", help="also write a markdown summary here")
+    p.add_argument(
+        "--csv",
+        help="also write the numbers behind the tables here: one line per run, model, method, task and "
+        "context (accuracy, n, compression, bytes held, prefill s, decode tok/s, speed vs full)",
+    )
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
@@ -477,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         description="Question-agnostic passkey + niah_multikey on the default model at one context "
         "length: full, the registered baselines at ~4x (ratio=0.25, quant bits=4) and kvweave's methods; "
-        "prints the table and writes the run folder with report.html and summary.md.",
+        "prints the table and writes the run folder with report.html, summary.md and summary.csv.",
     )
     p.add_argument(
         "--model", default="qwen2.5-coder-0.5b", help="registry name or a local Hugging Face folder"

@@ -3,7 +3,7 @@
 Question-agnostic pass-key and multi-key NIAH at one modest context length on the default model
 (:data:`kvweave.models.DEFAULT_MODEL`): the document is prefilled and compressed before the question is
 seen. It is an ordinary ``kvweave eval`` run (rows in a run folder, resumable), followed by the table
-and ``report.html`` + ``summary.md`` written into the run folder.
+and ``report.html`` + ``summary.md`` + ``summary.csv`` written into the run folder.
 
 Methods come from the registry at run time: the baselines and kvweave's own methods are asked to keep a
 quarter of the prompt through their fraction-kept option (``ratio`` or ``target_ratio``), ``quant`` runs
@@ -120,7 +120,7 @@ def run_demo(
     """Run the demo; returns the summary (with speed ratios) and the run folder.
 
     Writes ``rows.jsonl``, ``config.json``, ``command.txt`` (``command``, else the equivalent ``kvweave demo``
-    line), ``report.html`` and ``summary.md`` into the run folder; a rerun resumes.
+    line), ``report.html``, ``summary.md`` and ``summary.csv`` into the run folder; a rerun resumes.
     """
     from kvweave.eval import runner
     from kvweave.report import write_report
@@ -159,7 +159,7 @@ def run_demo(
     (folder / "command.txt").write_text(command + "\n")
     rows = runner.run(config, out_dir=folder, progress=progress)
     summary = runner.add_speed_ratios(runner.summarize(rows))
-    write_report([folder], folder / "report.html", markdown=folder / "summary.md")
+    write_report([folder], folder / "report.html", markdown=folder / "summary.md", csv=folder / "summary.csv")
     return summary, folder
 
 

@@ -194,6 +194,31 @@ def test_cli_report(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["report", str(tmp_path / "missing"), "-o", str(out)]) == 2
 
 
+def test_csv_has_one_line_per_cell_with_speed_ratios(run_dir: Path, tmp_path: Path) -> None:
+    import csv
+
+    out = tmp_path / "cells.csv"
+    assert main(["report", str(run_dir), "-o", str(tmp_path / "r.html"), "--csv", str(out)]) == 0
+    lines = list(csv.DictReader(out.open(newline="")))
+    assert tuple(lines[0]) == data.CSV_COLUMNS
+    assert len(lines) == 3 * 2 * 2  # methods x tasks x contexts
+    rows = fake_rows()
+    for line in lines:
+        cell = [
+            r for r in rows
+            if (r["method"], r["task"], r["context"]) == (line["method"], line["task"], int(line["context"]))
+        ]
+        assert line["run"] == "demo-tiny" and int(line["n"]) == len(cell) == 3
+        assert float(line["accuracy"]) == pytest.approx(sum(r["score"] for r in cell) / 3)
+        full = next(
+            r for r in lines if (r["method"], r["task"], r["context"]) == ("full", line["task"], line["context"])
+        )
+        assert float(line["speed_vs_full"]) == pytest.approx(
+            float(line["decode_tok_s"]) / float(full["decode_tok_s"])
+        )
+    assert {float(line["speed_vs_full"]) for line in lines if line["method"] == "full"} == {1.0}
+
+
 # ----------------------------------------------------------------------------------------- browser
 
 
@@ -419,7 +444,7 @@ def test_demo_end_to_end_without_a_model(monkeypatch: pytest.MonkeyPatch, tmp_pa
     printed = capsys.readouterr()
     assert "window:ratio=0.25" in printed.out and "4.00" in printed.out  # the table
     assert "8 trials (8 to run" in printed.err
-    for name in ("rows.jsonl", "config.json", "command.txt", "report.html", "summary.md"):
+    for name in ("rows.jsonl", "config.json", "command.txt", "report.html", "summary.md", "summary.csv"):
         assert (out / name).is_file(), name
     command = (out / "command.txt").read_text()
     assert command.startswith(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvweave.report.data import Run, load_run
 
-__all__ = ["Run", "load_run", "render_html", "render_markdown", "write_report"]
+__all__ = ["Run", "load_run", "render_csv", "render_html", "render_markdown", "write_report"]
 
 
 def render_html(runs: Sequence[Run]) -> str:
@@ -34,10 +34,21 @@ def render_markdown(runs: Sequence[Run]) -> str:
     return markdown.render(list(runs))
 
 
+def render_csv(runs: Sequence[Run]) -> str:
+    """One CSV line per (run, model, method, task, context): the numbers behind every table and chart."""
+    from kvweave.report import data
+
+    return data.summary_csv(list(runs))
+
+
 def write_report(
-    run_dirs: Sequence[str | Path], html: str | Path, markdown: str | Path | None = None
+    run_dirs: Sequence[str | Path],
+    html: str | Path,
+    markdown: str | Path | None = None,
+    csv: str | Path | None = None,
 ) -> list[Run]:
-    """Read ``run_dirs``, write the HTML page to ``html`` (and the markdown summary to ``markdown``)."""
+    """Read ``run_dirs``, write the HTML page to ``html`` (the markdown summary to ``markdown``, the
+    per-cell numbers to ``csv``)."""
     if not run_dirs:
         raise ValueError("give at least one run folder (a folder written by `kvweave eval --out`)")
     runs = [load_run(folder) for folder in run_dirs]
@@ -49,4 +60,7 @@ def write_report(
     if markdown is not None:
         Path(markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(markdown).write_text(render_markdown(runs), encoding="utf-8")
+    if csv is not None:
+        Path(csv).parent.mkdir(parents=True, exist_ok=True)
+        Path(csv).write_text(render_csv(runs), encoding="utf-8", newline="")
     return runs

@@ -8,6 +8,8 @@ ratios, which only mean something within one run on one machine) are computed ru
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import shlex
@@ -140,6 +142,24 @@ def run_summary(run: Run) -> list[dict[str, Any]]:
     for entry in summary:
         entry["run"] = run.name
     return summary
+
+
+CSV_COLUMNS = (
+    "run", "model", "method", "task", "context", "n", "accuracy", "compression", "kv_bytes",
+    "full_kv_bytes", "prefill_s", "decode_tok_s", "speed_vs_full",
+)
+"""Columns of ``kvweave report --csv``: one line per (run, model, method, task, context)."""
+
+
+def summary_csv(runs: list[Run]) -> str:
+    """The per-cell summaries of ``runs`` as CSV (empty fields where a value was not measured)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for run in runs:
+        for entry in run_summary(run):
+            writer.writerow({k: ("" if entry.get(k) is None else entry.get(k)) for k in CSV_COLUMNS})
+    return out.getvalue()
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
