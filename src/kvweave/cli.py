@@ -241,6 +241,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     out = Path(args.out) if args.out else None
     if out is not None:
+        runner.check_resumable(out / "rows.jsonl", runner.plan(config), config)  # before command.txt grows
         out.mkdir(parents=True, exist_ok=True)
         _write_command(out)
     rows = runner.run(config, out_dir=out, progress=not args.json)
@@ -328,6 +329,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvweave.eval.tasks import TASKS  # 0.1 s, no torch
+
+    task_names = list(TASKS)
     parser = argparse.ArgumentParser(
         prog="kvweave",
         description="KV-cache compression for long-context inference with transformers: "
@@ -412,7 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the question is seen.",
     )
     model_args(p)
-    p.add_argument("--task", default="passkey", help="comma-separated tasks (see kvweave.eval.tasks.TASKS)")
+    p.add_argument(
+        "--task",
+        default="passkey",
+        help="comma-separated tasks (default passkey): " + ", ".join(task_names) + "; qa_quality and qa_loogle "
+        "need the data folder (--data)",
+    )
     p.add_argument("--context", type=_ints, default=[2048], help="comma-separated context lengths in tokens")
     p.add_argument("--methods", default="full",
                    help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125")
@@ -424,7 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
         "their own context (cwe, fwe, QA, code, niah_multikey_uuid) keep theirs",
     )
     p.add_argument("--data", help="data folder for optional datasets (or set KVWEAVE_DATA)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="base seed of the generated samples (needles, values, document windows); a different seed "
+        "gives new samples at the same depths (default 0)",
+    )
     p.add_argument("--max-new-tokens", type=int, help="override the task's answer length")
     p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
     p.add_argument(

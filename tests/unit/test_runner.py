@@ -114,6 +114,50 @@ def test_interrupted_run_resumes_without_loss_or_rework(stubs: pytest.MonkeyPatc
     assert third.keys == [] and len(rows) == 16
 
 
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        ({"seed": 1}, "seed 0 (this command: 1000)"),
+        ({"trials": 3}, "--trials changes the depths"),
+        ({"model": "other"}, "model 'stub'"),
+        ({"max_new_tokens": 7}, "(this command: 7)"),
+        ({"question_aware": True}, "question_aware False"),
+    ],
+)
+def test_resuming_with_other_samples_is_refused(
+    stubs: pytest.MonkeyPatch, tmp_path: Path, changed: dict[str, Any], named: str
+) -> None:
+    config = small_config()
+    assert runner.plan(config)[0].task == "passkey"
+    full_rows = {**stub_row(config, runner.plan(config)[0]), "question_aware": False,
+                 "max_new_tokens": task_lib.TASKS["passkey"].max_new_tokens}
+    with pytest.raises(KeyboardInterrupt):
+        run_with(StubTrials(stop_after=3), stubs, config, tmp_path)
+    rows_path = tmp_path / "rows.jsonl"
+    lines = rows_path.read_text().splitlines()
+    lines[0] = json.dumps(full_rows)  # a row that records every compared field
+    rows_path.write_text("\n".join(lines) + "\n")
+    config_before = (tmp_path / "config.json").read_text()
+    other = small_config(**changed)
+    with pytest.raises(ValueError, match="already holds row") as error:
+        run_with(StubTrials(), stubs, other, tmp_path)
+    assert named in str(error.value) and "new --out folder" in str(error.value)
+    assert (tmp_path / "config.json").read_text() == config_before  # nothing rewritten
+    assert len(runner.read_rows(tmp_path)) == 3
+
+
+def test_extending_a_run_with_tasks_lengths_and_methods_is_allowed(
+    stubs: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config = small_config()
+    run_with(StubTrials(), stubs, config, tmp_path)
+    wider = small_config(tasks=["passkey", "niah_single", "vt"], contexts=[128, 256, 512],
+                         methods=["full", "window:ratio=0.25", "window:ratio=0.5"])
+    extra = StubTrials()
+    rows = run_with(extra, stubs, wider, tmp_path)
+    assert len(extra.keys) == len(runner.plan(wider)) - 16 and len(rows) == len(runner.plan(wider))
+
+
 def test_truncated_last_line_is_ignored_and_redone(stubs: pytest.MonkeyPatch, tmp_path: Path) -> None:
     config = small_config()
     all_keys = [t.key() for t in runner.plan(config)]

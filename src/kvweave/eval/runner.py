@@ -375,6 +375,51 @@ def finished_keys(rows_path: Path) -> set[str]:
     return keys
 
 
+def sample_mismatch(row: dict[str, Any], trial: Trial, config: EvalConfig) -> list[str]:
+    """How a finished row differs from the row ``trial`` would write (empty when it is the same sample and
+    generation settings). Fields a row does not record are not compared."""
+    spec = task_lib.TASKS[trial.task]
+    expected: dict[str, Any] = {
+        "model": config.model,
+        "seed": trial.seed,
+        "question_aware": config.question_aware,
+        "max_new_tokens": config.max_new_tokens or spec.max_new_tokens,
+    }
+    if row.get("haystack") in spec.haystacks:  # a filler the user chooses, not one the task builds
+        expected["haystack"] = config.haystack_for(trial.task) or spec.default_haystack
+    found = [
+        f"{name} {row[name]!r} (this command: {value!r})"
+        for name, value in expected.items()
+        if name in row and row[name] != value
+    ]
+    if "depth" in row and abs(float(row["depth"]) - trial.depth) > 1e-3:
+        found.append(f"depth {row['depth']} (this command: {round(trial.depth, 3)}; --trials changes the depths)")
+    return found
+
+
+def check_resumable(rows_path: Path, todo: list[Trial], config: EvalConfig) -> None:
+    """Refuse to resume a run folder whose finished rows were made from other samples or settings.
+
+    A row is skipped on rerun by its key (method, task, length, trial index), so a folder written with
+    another model, ``--seed``, ``--trials``, haystack, ``--question-aware`` or ``--max-new-tokens`` would
+    otherwise be silently mixed with this command's rows. Adding tasks, lengths or methods is fine.
+    """
+    if not rows_path.exists():
+        return
+    by_key = {trial.key(): trial for trial in todo}
+    for row in read_rows(rows_path):
+        trial = by_key.get(row.get("key", ""))
+        if trial is None:
+            continue
+        found = sample_mismatch(row, trial, config)
+        if found:
+            raise ValueError(
+                f"{rows_path.parent} already holds row {row['key']!r} made with {'; '.join(found)}. "
+                "A run folder holds one set of samples: give a new --out folder, or rerun with the options "
+                f"of {rows_path.parent / 'command.txt'} to resume it"
+            )
+
+
 def _end_with_newline(path: Path) -> None:
     """After a crash mid-write, start the next row on a line of its own (the torn one is ignored)."""
     if path.exists() and path.stat().st_size:
@@ -409,6 +454,7 @@ def run(
     rows_path = None
     done: set[str] = set()
     if out_dir is not None:
+        check_resumable(out_dir / "rows.jsonl", todo, config)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(
             json.dumps({"config": dataclasses.asdict(config), "environment": environment()}, indent=2)
