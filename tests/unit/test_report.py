@@ -219,6 +219,36 @@ def test_csv_has_one_line_per_cell_with_speed_ratios(run_dir: Path, tmp_path: Pa
     assert {float(line["speed_vs_full"]) for line in lines if line["method"] == "full"} == {1.0}
 
 
+def write_ppl_run(folder: Path) -> Path:
+    """A ``kvweave ppl --out`` folder: two methods, two windows, and a torn last line."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"model": "tiny", "method": method, "corpus": "wiki", "window": 1024, "target": 128, "index": i,
+         "key": f"{method}|wiki|1024|128|{i}", "nll": nll, "kv_bytes": held, "full_kv_bytes": 100, "seconds": 1.0}
+        for i in range(2)
+        for method, nll, held in [("full", 2.0 + i, 200), ("keydiff:ratio=0.125", 2.5 + i, 25)]
+    ]  # fmt: skip
+    (folder / "ppl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    (folder / "command.txt").write_text("kvweave ppl --model tiny --windows 2 --out runs/ppl\n")
+    return folder
+
+
+def test_perplexity_runs_are_reported(run_dir: Path, tmp_path: Path) -> None:
+    ppl_dir = write_ppl_run(tmp_path / "ppl-tiny")
+    md_path, csv_path = tmp_path / "s.md", tmp_path / "c.csv"
+    write_report([run_dir, ppl_dir], tmp_path / "r.html", markdown=md_path, csv=csv_path)
+    md = md_path.read_text()
+    # exp(mean NLL): full exp(2.5) = 12.18, keydiff exp(3.0) = 20.09, +64.9 %
+    assert "| tiny | wiki | 1024 (128) | `keydiff:ratio=0.125` | 2 | 4.00x | 20.09 | +64.9% |" in md
+    assert "| tiny | wiki | 1024 (128) | `full` | 2 | 0.50x | 12.18 | +0.0% |" in md
+    assert "kvweave ppl --model tiny --windows 2" in md
+    html = (tmp_path / "r.html").read_text()
+    assert 'id="perplexity"' in html and "perplexity vs compression" in html and "+64.9%" in html
+    only = tmp_path / "only.html"
+    write_report([ppl_dir], only)  # a perplexity run alone makes a report too
+    assert 'id="perplexity"' in only.read_text()
+
+
 # ----------------------------------------------------------------------------------------- browser
 
 

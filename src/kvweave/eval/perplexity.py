@@ -8,8 +8,10 @@ exactly, so the score measures what compression of the prefix costs. ``full`` is
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -53,15 +55,21 @@ def run_perplexity(
 
     if not 0 < target < window:
         raise ValueError(f"--target must be between 1 and --window - 1, got {target} for window {window}")
+    from kvweave.eval.runner import _end_with_newline, read_rows
+
     specs = [parse_method(m).spec() for m in methods]
     text = task_lib.load_corpus(corpus, data_dir=data_dir)
     chunks = task_lib.perplexity_windows(tokenizer, text, window, windows)
+    digests = [window_digest(chunk) for chunk in chunks]
     rows_path = out_dir / "ppl.jsonl" if out_dir else None
     done = set()
     if rows_path is not None:
         out_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
         if rows_path.exists():
-            done = {json.loads(line)["key"] for line in rows_path.read_text().splitlines() if line.strip()}
+            old = read_rows(rows_path)  # a line torn by a crash is ignored and redone
+            check_resumable(old, model_name, corpus, window, target, digests, rows_path)
+            done = {row["key"] for row in old if "key" in row}
+            _end_with_newline(rows_path)
     rows = []
     work = [(i, spec) for i in range(len(chunks)) for spec in specs]
     for i, spec in tqdm(work, desc="ppl", disable=not progress):
@@ -75,6 +83,7 @@ def run_perplexity(
             "window": window,
             "target": target,
             "index": i,
+            "window_sha1": digests[i],
             "key": key,
             **window_nll(model, chunks[i], spec, target),
         }
@@ -82,41 +91,87 @@ def run_perplexity(
         if rows_path is not None:
             with rows_path.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
     if rows_path is not None:
-        rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+        rows = read_rows(rows_path)
     return rows
 
 
-def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per method: perplexity over all windows, compression, and the change against ``full``."""
-    by_method: dict[str, list[dict[str, Any]]] = {}
+def window_digest(ids: list[int]) -> str:
+    """A short fingerprint of one window's token ids (recorded per row, compared on resume)."""
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def check_resumable(
+    rows: list[dict[str, Any]],
+    model_name: str,
+    corpus: str,
+    window: int,
+    target: int,
+    digests: list[str],
+    rows_path: Path,
+) -> None:
+    """Refuse to add rows to a ppl folder written with another model, or whose window ``i`` holds other
+    tokens than this command's (another ``--windows`` count spreads the windows differently)."""
     for row in rows:
-        by_method.setdefault(row["method"], []).append(row)
+        if row.get("model") not in (None, model_name):
+            raise ValueError(
+                f"{rows_path} holds rows of model {row['model']!r}, not {model_name!r}: give a new --out folder"
+            )
+        index = row.get("index")
+        same_setting = (row.get("corpus"), row.get("window"), row.get("target")) == (corpus, window, target)
+        if same_setting and "window_sha1" in row and isinstance(index, int):
+            if index >= len(digests) or row["window_sha1"] != digests[index]:
+                raise ValueError(
+                    f"{rows_path} scored other tokens as window {index} of {corpus} (another --windows count "
+                    "or corpus file): give a new --out folder, or the --windows of its command.txt"
+                )
+
+
+def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, corpus, window, target, method): perplexity over the windows (exp of the mean NLL), the
+    number of windows, compression, and the change against ``full`` of the same setting."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        setting = (row.get("model"), row.get("corpus"), row.get("window"), row.get("target"))
+        groups.setdefault((*setting, row["method"]), []).append(row)
     summary = []
-    for method, members in by_method.items():
+    for (model, corpus, window, target, method), members in groups.items():
         nll = sum(r["nll"] for r in members) / len(members)
         kv, full = max(r["kv_bytes"] for r in members), max(r["full_kv_bytes"] for r in members)
         summary.append(
             {
+                "model": model,
+                "corpus": corpus,
+                "window": window,
+                "target": target,
                 "method": method,
+                "nll": nll,
                 "ppl": math.exp(nll),
                 "n": len(members),
                 "kv_bytes": kv,
                 "compression": full / kv if kv else None,
             }
         )
-    reference = next((s["ppl"] for s in summary if s["method"] == "full"), None)
+
+    def setting(entry: dict[str, Any]) -> tuple[Any, ...]:
+        return (entry["model"], entry["corpus"], entry["window"], entry["target"])
+
+    reference = {setting(s): s["ppl"] for s in summary if s["method"] == "full"}
     for entry in summary:
-        entry["ppl_vs_full"] = entry["ppl"] / reference - 1 if reference else None
-    return sorted(summary, key=lambda s: s["method"])
+        base = reference.get(setting(entry))
+        entry["ppl_vs_full"] = entry["ppl"] / base - 1 if base else None
+    return sorted(summary, key=lambda s: (*map(str, setting(s)), s["method"] != "full", s["method"]))
 
 
 def format_perplexity(summary: list[dict[str, Any]]) -> str:
     """Plain-text table."""
-    lines = [f"{'method':<40} {'ppl':>8} {'vs full':>8} {'x':>6} {'n':>3}"]
+    lines = [f"{'method':<40} {'window':>7} {'ppl':>8} {'vs full':>8} {'x':>6} {'n':>3}"]
     for s in summary:
         delta = f"{100 * s['ppl_vs_full']:+.1f}%" if s["ppl_vs_full"] is not None else "-"
         lines.append(
-            f"{s['method']:<40} {s['ppl']:>8.3f} {delta:>8} {s['compression'] or 0:>6.2f} {s['n']:>3}"
+            f"{s['method']:<40} {s['window']!s:>7} {s['ppl']:>8.3f} {delta:>8} {s['compression'] or 0:>6.2f} "
+            f"{s['n']:>3}"
         )
     return "\n".join(lines)

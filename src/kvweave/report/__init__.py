@@ -52,7 +52,7 @@ def write_report(
     if not run_dirs:
         raise ValueError("give at least one run folder (a folder written by `kvweave eval --out`)")
     runs = [load_run(folder) for folder in run_dirs]
-    empty = [run.name for run in runs if not run.rows]
+    empty = [run.name for run in runs if not run.rows and not run.ppl]
     if len(empty) == len(runs):
         raise ValueError(f"no result rows in {', '.join(empty)}; nothing to report")
     Path(html).parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     command: str = ""
+    ppl: list[dict[str, Any]] = field(default_factory=list)
+    """Rows of ``kvweave ppl --out`` (``ppl.jsonl``), when the folder holds a perplexity run."""
 
     @property
     def name(self) -> str:
@@ -43,12 +45,14 @@ class Run:
 
 
 def load_run(path: str | Path) -> Run:
-    """Read a run folder (``rows.jsonl`` required; ``config.json`` and ``command.txt`` optional)."""
+    """Read a run folder: ``rows.jsonl`` (``kvweave eval``) and/or ``ppl.jsonl`` (``kvweave ppl``) required;
+    ``config.json`` and ``command.txt`` optional."""
     folder = Path(path)
-    rows_path = folder / "rows.jsonl"
-    if not rows_path.is_file():
+    rows_path, ppl_path = folder / "rows.jsonl", folder / "ppl.jsonl"
+    if not rows_path.is_file() and not ppl_path.is_file():
         raise FileNotFoundError(
-            f"{folder} is not a run folder: it has no rows.jsonl (run `kvweave eval --out`)"
+            f"{folder} is not a run folder: it has no rows.jsonl or ppl.jsonl (run `kvweave eval --out` "
+            "or `kvweave ppl --out`)"
         )
     meta: dict[str, Any] = {}
     if (folder / "config.json").is_file():
@@ -59,8 +63,21 @@ def load_run(path: str | Path) -> Run:
         command = command_path.read_text().strip()
     else:
         command = eval_command(config, folder) if config else ""
-    rows = [r for r in runner.read_rows(folder) if _is_result(r)]
-    return Run(folder, rows, config, meta.get("environment", {}), command)
+    rows = [r for r in runner.read_rows(rows_path) if _is_result(r)] if rows_path.is_file() else []
+    ppl = [r for r in runner.read_rows(ppl_path) if "nll" in r] if ppl_path.is_file() else []
+    return Run(folder, rows, config, meta.get("environment", {}), command, ppl)
+
+
+def perplexity_summary(runs: Iterable[Run]) -> list[dict[str, Any]]:
+    """Perplexity per (run, model, corpus, window, target, method), with the change against ``full``."""
+    from kvweave.eval.perplexity import summarize_perplexity
+
+    summary = []
+    for run in runs:
+        for entry in summarize_perplexity(run.ppl):
+            entry["run"] = run.name
+            summary.append(entry)
+    return summary
 
 
 def _is_result(row: dict[str, Any]) -> bool:

@@ -61,6 +61,30 @@ def overview_table(summary: list[dict[str, Any]], context: int | None = None) ->
     return _table(header, rows, ["l"] + ["r"] * (len(header) - 1))
 
 
+PPL_HEADER = ["model", "corpus", "window (scored)", "method", "windows", "compression", "perplexity", "vs full"]
+
+
+def ppl_cells(entry: dict[str, Any]) -> list[str]:
+    """One perplexity line: the setting, the method, and perplexity against ``full`` of the same setting."""
+    change = entry.get("ppl_vs_full")
+    return [
+        str(entry.get("model")),
+        str(entry.get("corpus")),
+        f"{entry.get('window')} ({entry.get('target')})",
+        f"`{entry['method']}`",
+        str(entry["n"]),
+        _num(entry.get("compression"), "%.2fx"),
+        f"{entry['ppl']:.2f}",
+        "-" if change is None else f"{100 * change:+.1f}%",
+    ]
+
+
+def perplexity_markdown(entries: list[dict[str, Any]]) -> str:
+    """The perplexity table (``kvweave ppl`` runs): each window's prefix is prefilled and compressed, then its
+    last tokens are scored through the same cache."""
+    return _table(PPL_HEADER, [ppl_cells(e) for e in entries], ["l", "l", "r", "l", "r", "r", "r", "r"])
+
+
 def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
     """One run: its command, environment and per-(method, task, context) table."""
     header = [
@@ -95,8 +119,11 @@ def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
         parts += ["Produced by:", "", "```sh", run.command, "```", ""]
     if run.environment:
         parts += [f"Environment: {page.environment_line(run.environment)}.", ""]
-    parts.append(_table(header, rows, ["l", "l"] + ["r"] * 8))
-    return "\n".join(parts)
+    if rows:
+        parts.append(_table(header, rows, ["l", "l"] + ["r"] * 8))
+    if run.ppl:
+        parts.append(perplexity_markdown(data.perplexity_summary([run])))
+    return "\n".join(parts).rstrip()
 
 
 def render(runs: list[Run]) -> str:
@@ -117,6 +144,18 @@ def render(runs: list[Run]) -> str:
     note = data.metric_note(entry["task"] for entry in summary)
     if note:
         parts[4:4] = [note, ""]
+    ppl = data.perplexity_summary(runs)
+    if ppl:
+        parts += [
+            "### Perplexity",
+            "",
+            "Each window's first tokens are prefilled and compressed, then its last (scored) tokens are fed "
+            "through the same cache and scored by teacher forcing; perplexity is exp of the mean NLL over the "
+            "windows, and its change is against `full` on the same windows.",
+            "",
+            perplexity_markdown(ppl),
+            "",
+        ]
     for run, run_entries in zip(runs, summaries, strict=True):
         parts += [run_markdown(run, run_entries), ""]
     return "\n".join(parts)

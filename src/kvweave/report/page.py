@@ -234,6 +234,72 @@ def summary_table(summary: list[dict[str, Any]]) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
+def perplexity_table(entries: list[dict[str, Any]]) -> str:
+    """Perplexity per setting and method, with the change against ``full`` on the same windows."""
+    from kvweave.report.markdown import PPL_HEADER, ppl_cells
+
+    head = "".join(f'<th class="{"name" if c in ("model", "corpus", "method") else ""}">{c}</th>' for c in PPL_HEADER)
+    body = []
+    for entry in entries:
+        cells = [cell.strip("`") for cell in ppl_cells(entry)]
+        body.append(
+            "<tr>"
+            + "".join(
+                f'<td class="{"name" if i in (0, 1, 3) else ""}">{escape(cell)}</td>' for i, cell in enumerate(cells)
+            )
+            + "</tr>"
+        )
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def perplexity_section(runs: list[Run]) -> str:
+    """Perplexity change against ``full`` vs compression (one chart per model, corpus and window) and the
+    table; empty when no run holds perplexity rows."""
+    entries = data.perplexity_summary(runs)
+    if not entries:
+        return ""
+    charts = []
+    settings = sorted({(str(e["model"]), str(e["corpus"]), e["window"], e["target"]) for e in entries}, key=str)
+    for model, corpus, window, target in settings:
+        members = [
+            e
+            for e in entries
+            if (str(e["model"]), str(e["corpus"]), e["window"], e["target"]) == (model, corpus, window, target)
+            and e.get("ppl_vs_full") is not None
+            and e.get("compression")
+        ]
+        if not members:
+            continue
+        families: dict[str, list[dict[str, Any]]] = {}
+        for entry in members:
+            families.setdefault(data.family(entry["method"]), []).append(entry)
+        series = [
+            svg.Series(
+                name,
+                [(e["compression"], 100 * e["ppl_vs_full"]) for e in sorted(group, key=lambda e: e["compression"])],
+                [data.options_label(e["method"]) for e in sorted(group, key=lambda e: e["compression"])],
+            )
+            for name, group in sorted(families.items(), key=lambda kv: data.method_order(kv[0]))
+        ]
+        charts.append(
+            svg.line_chart(
+                series,
+                title=f"{model}, {corpus}, {window}-token windows: perplexity vs compression",
+                x_label="compression (16-bit full-cache bytes / bytes held, log scale)",
+                y_label="perplexity change vs full (%)",
+                x_log=True,
+                y_format=lambda v: f"{v:+.0f}%",
+            )
+        )
+    return (
+        '<section id="perplexity"><h2>Perplexity</h2>'
+        '<p class="note">Each window\'s first tokens are prefilled and compressed, then its last (scored) tokens '
+        "are fed through the same cache and scored by teacher forcing; perplexity is exp of the mean NLL over "
+        "the windows. Lower and to the right is better.</p>"
+        f'<div class="charts">{"".join(charts)}</div>{perplexity_table(entries)}</section>'
+    )
+
+
 def environment_line(environment: dict[str, Any]) -> str:
     """Hardware and versions in one line."""
     keys = (
@@ -256,13 +322,17 @@ def runs_section(runs: list[Run], summaries: list[list[dict[str, Any]]]) -> str:
     parts = ['<section id="runs"><h2>Runs</h2>']
     for run, summary in zip(runs, summaries, strict=True):
         parts.append(
-            f"<h3>{escape(run.name)} <small>({len(run.rows)} rows, {escape(str(run.path))})</small></h3>"
+            f"<h3>{escape(run.name)} <small>({len(run.rows) + len(run.ppl)} rows, {escape(str(run.path))})"
+            "</small></h3>"
         )
         if run.command:
             parts.append(f"<pre>{escape(run.command)}</pre>")
         if run.environment:
             parts.append(f'<p class="note">{escape(environment_line(run.environment))}</p>')
-        parts.append(summary_table(summary))
+        if run.rows:
+            parts.append(summary_table(summary))
+        if run.ppl:
+            parts.append(perplexity_table(data.perplexity_summary([run])))
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -288,6 +358,7 @@ def render(runs: list[Run]) -> str:
         heatmap_section(rows),
         frontier_section(rows),
         memory_speed_section(rows),
+        perplexity_section(runs),
         runs_section(runs, summaries),
     ]
     return (
