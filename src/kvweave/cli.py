@@ -295,6 +295,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         from kvweave.cache import parse_method
 
         parse_method(spec)
+    if not 0 < args.target < args.window:  # before the model loads
+        raise ValueError(f"--target must be between 1 and --window - 1, got {args.target} for window {args.window}")
     model, tokenizer = _load(args)
     out = Path(args.out) if args.out else None
     if out is not None:
