@@ -304,7 +304,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         _write_command(out)
     rows = perplexity.run_perplexity(model, tokenizer, args.model, _methods(args.methods), corpus=args.corpus,
                                      window=args.window, target=args.target, windows=args.windows,
-                                     data_dir=args.data, out_dir=out)
+                                     data_dir=args.data, out_dir=out, stepwise=args.stepwise)
     summary = perplexity.summarize_perplexity(rows)
     print(json.dumps(summary, indent=2) if args.json else perplexity.format_perplexity(summary))
     return 0
@@ -476,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=4096, help="tokens per window")
     p.add_argument("--target", type=int, default=512, help="scored tokens at the end of each window")
     p.add_argument("--windows", type=int, default=4, help="number of windows")
+    p.add_argument(
+        "--stepwise",
+        action="store_true",
+        help="score the target tokens one forward pass per token, as generate() decodes (slower); by default "
+        "they go through in one pass, which for DK-Cache means one far-page selection for all of them",
+    )
     p.add_argument("--data", help="data folder (or set KVWEAVE_DATA)")
     p.add_argument("--out", help="run folder: ppl.jsonl; a rerun resumes")
     p.add_argument("--json", action="store_true", help="machine-readable summary")

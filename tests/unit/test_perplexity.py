@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from conftest import tiny_model
@@ -80,3 +83,28 @@ def test_summary_keeps_settings_apart():
     ]
     summary = {(s["window"], s["method"]): s for s in summarize_perplexity(rows)}
     assert summary[(40, "x")]["ppl_vs_full"] > 0.6 and summary[(80, "x")]["ppl_vs_full"] == 0
+
+
+def test_stepwise_scoring_equals_one_pass_for_full_and_is_kept_apart():
+    from kvweave.eval.perplexity import summarize_perplexity
+
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    ids = torch.randint(3, 150, (90,)).tolist()
+    one = window_nll(model, ids, "full", 16)
+    step = window_nll(model, ids, "full", 16, stepwise=True)
+    assert abs(one["nll"] - step["nll"]) < 1e-5
+    # an evictor decodes differently token by token (the window slides), so the two scorings differ
+    evict_one = window_nll(model, ids, "window:window=8,sinks=2", 16)
+    evict_step = window_nll(model, ids, "window:window=8,sinks=2", 16, stepwise=True)
+    assert abs(evict_one["nll"] - evict_step["nll"]) > 1e-4
+    base = {"model": "m", "corpus": "c", "window": 90, "target": 16}
+    rows = [
+        {**base, "method": "full", "stepwise": False, **one},
+        {**base, "method": "full", "stepwise": True, **step},
+        {**base, "method": "w", "stepwise": True, **evict_step},
+    ]
+    summary = summarize_perplexity(rows)
+    assert len(summary) == 3 and {s["stepwise"] for s in summary} == {False, True}
+    (w,) = [s for s in summary if s["method"] == "w"]
+    assert w["ppl_vs_full"] == pytest.approx(math.exp(evict_step["nll"] - step["nll"]) - 1)

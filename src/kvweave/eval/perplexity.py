@@ -23,8 +23,14 @@ from kvweave.cache import make_cache, parse_method
 from kvweave.eval import tasks as task_lib
 
 
-def window_nll(model: Any, ids: list[int], method: str, target: int) -> dict[str, Any]:
-    """Mean negative log-likelihood of the last ``target`` tokens of ``ids`` given the compressed rest."""
+def window_nll(model: Any, ids: list[int], method: str, target: int, stepwise: bool = False) -> dict[str, Any]:
+    """Mean negative log-likelihood of the last ``target`` tokens of ``ids`` given the compressed rest.
+
+    The scored tokens go through the cache in one forward pass, or with ``stepwise`` one token per forward
+    pass, as ``generate()`` decodes: methods whose attention depends on the query chunk (DK-Cache picks its
+    far pages once per forward pass, for all of the pass's queries) or that evict while decoding are then
+    scored as they behave in decoding. Both give the same NLL for ``full``.
+    """
     prefix, scored = torch.tensor([ids[:-target]]), torch.tensor([ids[-target - 1 :]])
     cache = make_cache(method, model)
     kw = cache_kwarg(model)
@@ -32,7 +38,17 @@ def window_nll(model: Any, ids: list[int], method: str, target: int) -> dict[str
     with torch.no_grad():
         model(prefix[:, :-1], use_cache=True, logits_to_keep=1, **{kw: cache})
         held, full = cache.nbytes(), cache.full_kv_bytes(bits=16)
-        logits = model(scored[:, :-1], use_cache=True, **{kw: cache}).logits.float()
+        if stepwise:
+            logits = torch.cat(
+                [
+                    model(scored[:, t : t + 1], use_cache=True, **{kw: cache}).logits.float()
+                    for t in range(scored.shape[1] - 1)
+                ],
+                dim=1,
+            )
+            held = max(held, cache.nbytes())
+        else:
+            logits = model(scored[:, :-1], use_cache=True, **{kw: cache}).logits.float()
     nll = torch.nn.functional.cross_entropy(logits[0], scored[0, 1:], reduction="mean").item()
     return {"nll": nll, "kv_bytes": held, "full_kv_bytes": full, "seconds": time.perf_counter() - start}
 
@@ -49,8 +65,10 @@ def run_perplexity(
     data_dir: str | None = None,
     out_dir: Path | None = None,
     progress: bool = True,
+    stepwise: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rows (one per method and window) and a JSONL file in ``out_dir`` (resumable)."""
+    """Rows (one per method and window) and a JSONL file in ``out_dir`` (resumable); ``stepwise`` scores the
+    target tokens one forward pass per token (see :func:`window_nll`)."""
     from tqdm import tqdm
 
     if not 0 < target < window:
@@ -73,7 +91,7 @@ def run_perplexity(
     rows = []
     work = [(i, spec) for i in range(len(chunks)) for spec in specs]
     for i, spec in tqdm(work, desc="ppl", disable=not progress):
-        key = f"{spec}|{corpus}|{window}|{target}|{i}"
+        key = f"{spec}|{corpus}|{window}|{target}|{i}" + ("|stepwise" if stepwise else "")
         if key in done:
             continue
         row = {
@@ -84,8 +102,9 @@ def run_perplexity(
             "target": target,
             "index": i,
             "window_sha1": digests[i],
+            "stepwise": stepwise,
             "key": key,
-            **window_nll(model, chunks[i], spec, target),
+            **window_nll(model, chunks[i], spec, target, stepwise=stepwise),
         }
         rows.append(row)
         if rows_path is not None:
@@ -134,10 +153,12 @@ def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     number of windows, compression, and the change against ``full`` of the same setting."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        setting = (row.get("model"), row.get("corpus"), row.get("window"), row.get("target"))
+        setting = (
+            row.get("model"), row.get("corpus"), row.get("window"), row.get("target"), row.get("stepwise", False)
+        )
         groups.setdefault((*setting, row["method"]), []).append(row)
     summary = []
-    for (model, corpus, window, target, method), members in groups.items():
+    for (model, corpus, window, target, stepwise, method), members in groups.items():
         nll = sum(r["nll"] for r in members) / len(members)
         kv, full = max(r["kv_bytes"] for r in members), max(r["full_kv_bytes"] for r in members)
         summary.append(
@@ -146,6 +167,7 @@ def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "corpus": corpus,
                 "window": window,
                 "target": target,
+                "stepwise": stepwise,
                 "method": method,
                 "nll": nll,
                 "ppl": math.exp(nll),
@@ -156,7 +178,7 @@ def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
 
     def setting(entry: dict[str, Any]) -> tuple[Any, ...]:
-        return (entry["model"], entry["corpus"], entry["window"], entry["target"])
+        return (entry["model"], entry["corpus"], entry["window"], entry["target"], entry["stepwise"])
 
     reference = {setting(s): s["ppl"] for s in summary if s["method"] == "full"}
     for entry in summary:
@@ -167,11 +189,12 @@ def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_perplexity(summary: list[dict[str, Any]]) -> str:
     """Plain-text table."""
-    lines = [f"{'method':<40} {'window':>7} {'ppl':>8} {'vs full':>8} {'x':>6} {'n':>3}"]
+    lines = [f"{'method':<40} {'window':>7} {'scoring':>8} {'ppl':>8} {'vs full':>8} {'x':>6} {'n':>3}"]
     for s in summary:
         delta = f"{100 * s['ppl_vs_full']:+.1f}%" if s["ppl_vs_full"] is not None else "-"
+        scoring = "stepwise" if s["stepwise"] else "one pass"
         lines.append(
-            f"{s['method']:<40} {s['window']!s:>7} {s['ppl']:>8.3f} {delta:>8} {s['compression'] or 0:>6.2f} "
-            f"{s['n']:>3}"
+            f"{s['method']:<40} {s['window']!s:>7} {scoring:>8} {s['ppl']:>8.3f} {delta:>8} "
+            f"{s['compression'] or 0:>6.2f} {s['n']:>3}"
         )
     return "\n".join(lines)

@@ -70,7 +70,7 @@ def ppl_cells(entry: dict[str, Any]) -> list[str]:
     return [
         str(entry.get("model")),
         str(entry.get("corpus")),
-        f"{entry.get('window')} ({entry.get('target')})",
+        f"{entry.get('window')} ({entry.get('target')}{', stepwise' if entry.get('stepwise') else ''})",
         f"`{entry['method']}`",
         str(entry["n"]),
         _num(entry.get("compression"), "%.2fx"),

@@ -259,12 +259,14 @@ def perplexity_section(runs: list[Run]) -> str:
     if not entries:
         return ""
     charts = []
-    settings = sorted({(str(e["model"]), str(e["corpus"]), e["window"], e["target"]) for e in entries}, key=str)
-    for model, corpus, window, target in settings:
+    def setting(e: dict[str, Any]) -> tuple[Any, ...]:
+        return (str(e["model"]), str(e["corpus"]), e["window"], e["target"], bool(e.get("stepwise")))
+
+    for model, corpus, window, target, stepwise in sorted({setting(e) for e in entries}, key=str):
         members = [
             e
             for e in entries
-            if (str(e["model"]), str(e["corpus"]), e["window"], e["target"]) == (model, corpus, window, target)
+            if setting(e) == (model, corpus, window, target, stepwise)
             and e.get("ppl_vs_full") is not None
             and e.get("compression")
         ]
@@ -284,7 +286,8 @@ def perplexity_section(runs: list[Run]) -> str:
         charts.append(
             svg.line_chart(
                 series,
-                title=f"{model}, {corpus}, {window}-token windows: perplexity vs compression",
+                title=f"{model}, {corpus}, {window}-token windows{', stepwise' if stepwise else ''}: perplexity vs "
+                "compression",
                 x_label="compression (16-bit full-cache bytes / bytes held, log scale)",
                 y_label="perplexity change vs full (%)",
                 x_log=True,
