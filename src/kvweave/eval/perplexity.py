@@ -177,14 +177,14 @@ def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
 
-    def setting(entry: dict[str, Any]) -> tuple[Any, ...]:
+    def same_windows(entry: dict[str, Any]) -> tuple[Any, ...]:
         return (entry["model"], entry["corpus"], entry["window"], entry["target"], entry["stepwise"])
 
-    reference = {setting(s): s["ppl"] for s in summary if s["method"] == "full"}
+    reference = {same_windows(s): s["ppl"] for s in summary if s["method"] == "full"}
     for entry in summary:
-        base = reference.get(setting(entry))
+        base = reference.get(same_windows(entry))
         entry["ppl_vs_full"] = entry["ppl"] / base - 1 if base else None
-    return sorted(summary, key=lambda s: (*map(str, setting(s)), s["method"] != "full", s["method"]))
+    return sorted(summary, key=lambda s: (*map(str, same_windows(s)), s["method"] != "full", s["method"]))
 
 
 def format_perplexity(summary: list[dict[str, Any]]) -> str:
