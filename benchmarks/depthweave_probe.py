@@ -34,7 +34,7 @@ import torch
 import kvweave
 from kvweave._compat import cache_kwarg
 from kvweave.cache import parse_method
-from kvweave.rope import Rotary, find_rotary
+from kvweave.ops.rope import Rotary, find_rotary
 
 DEFAULT_SETTINGS = [  # the defaults, then one change at a time (the ablation table in depthweave's docstring)
     "depthweave",

@@ -21,11 +21,12 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from kvweave._compat import Cache, CacheLayerMixin, default_layers, mask_to_bool, sdpa_attention, text_config
 from kvweave.attention import mark_pending, prepare
-from kvweave.rope import Rotary, find_rotary
+from kvweave.ops.attention import masked_attention
+from kvweave.ops.masking import visible_mask
+from kvweave.ops.rope import Rotary, find_rotary
 
 # ----------------------------------------------------------------------------------------------- registry
 
@@ -520,44 +521,3 @@ class CompressedLayer(CacheLayerMixin):
     def layer_stats(self) -> dict[str, Any]:
         """Method-specific detail for :meth:`KVCache.stats`."""
         return {"entries": self.entries()}
-
-
-def visible_mask(
-    attention_mask: torch.Tensor | None, slots: torch.Tensor, first: int, q_len: int
-) -> torch.Tensor:
-    """``[B, H, q, T]`` bool: which held entries (``slots: [B, H, T]``) each new query may attend to.
-
-    ``attention_mask: [B, 1, q, N]`` is transformers' mask over tokens (``None`` means plain causal without
-    padding); the new queries are tokens ``first .. first+q-1``.
-    """
-    mask = mask_to_bool(attention_mask)
-    b, h, t = slots.shape
-    if mask is None:
-        query_slots = torch.arange(first, first + q_len, device=slots.device).view(1, 1, q_len, 1)
-        return slots.unsqueeze(2) <= query_slots
-    index = slots.to(torch.int64).unsqueeze(2).expand(b, h, mask.shape[2], t)
-    return mask.expand(b, h, -1, -1).gather(3, index)
-
-
-def masked_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float | None
-) -> torch.Tensor:
-    """Grouped-query attention with a per-KV-head mask.
-
-    ``query: [B, Hq, q, D]``, ``keys, values: [B, H, T, D]``, ``mask: [B, H, q, T]`` -> ``[B, q, Hq, D]``.
-    The query heads of a group are packed along the query axis so K and V are never repeated.
-    """
-    b, hq, q_len, d = query.shape
-    h = keys.shape[1]
-    groups = hq // h
-    packed = query.reshape(b, h, groups * q_len, d)
-    packed_mask = (
-        mask.unsqueeze(2).expand(b, h, groups, q_len, mask.shape[-1]).reshape(b, h, groups * q_len, -1)
-    )
-    # A query row with nothing visible (a padding token) would give NaN; let it see everything instead:
-    # its output is never used by real tokens.
-    packed_mask = packed_mask | ~packed_mask.any(dim=-1, keepdim=True)
-    out = F.scaled_dot_product_attention(
-        packed, keys.to(query.dtype), values.to(query.dtype), attn_mask=packed_mask, scale=scaling
-    )
-    return out.view(b, hq, q_len, -1).transpose(1, 2).contiguous()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvweave._compat import DynamicCache, cache_kwarg, text_config
-from kvweave.rope import Rotary, find_rotary
+from kvweave.ops.rope import Rotary, find_rotary
 
 
 def _trained_length(model: Any) -> int:

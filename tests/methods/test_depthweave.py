@@ -12,8 +12,9 @@ from transformers import DynamicCache
 import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.lowrank import pack, top_basis
 from kvweave.methods.depthweave import percentile
+from kvweave.ops.lowrank import top_basis
+from kvweave.ops.quantize import pack
 
 # the full machinery at 16 bits (the method's defaults: router off, INT4 bases; tested separately)
 SMALL = dict(recent=8, block=8, probe=8, window=8, sinks=2, router=True, bits=16, weighting=0.0)

@@ -18,15 +18,14 @@ from kvweave.methods.dkcache import (
     DKCache,
     decouple_keys,
     default_bounds,
-    dequantize_int8,
     far_device,
     group_size,
     measure_key_shift,
     page_upper_bounds,
-    quantize_int8,
     remapped_distance,
     steady_mean,
 )
+from kvweave.ops.quantize import dequantize_int8, quantize_int8
 
 SMALL = "dkcache:core=4,steady=12,page=8,sinks=2"
 

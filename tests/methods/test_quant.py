@@ -10,7 +10,7 @@ import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
 from kvweave.cache import masked_attention, parse_method
-from kvweave.methods.quant import dequantize, pack, quantize, unpack
+from kvweave.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
 
 
 def _prefill(model, ids, spec, mask=None):
@@ -25,9 +25,9 @@ def _prefill(model, ids, spec, mask=None):
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_pack_roundtrip(bits):
     codes = torch.randint(0, 1 << bits, (3, 5, 16), dtype=torch.uint8)
-    packed = pack(codes, bits)
+    packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 16 * bits // 8
-    assert torch.equal(unpack(packed, bits), codes)
+    assert torch.equal(unpack_codes(packed, bits), codes)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])

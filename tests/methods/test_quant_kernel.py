@@ -10,14 +10,13 @@ from conftest import tiny_model
 from kvweave._compat import cache_kwarg
 from kvweave.kernels import cpu_quant
 from kvweave.methods.quant import (
-    OnlineSoftmax,
     block_logits,
     dequantize_blocks,
     dequantize_values,
-    pack_split,
     quantize_blocks,
-    unpack_split,
 )
+from kvweave.ops.attention import OnlineSoftmax
+from kvweave.ops.quantize import pack_codes_split, unpack_codes_split
 
 needs_kernel = pytest.mark.skipif(cpu_quant.load() is None,
                                   reason=f"C++ quant kernel not buildable here: {cpu_quant.unavailable_reason()}")
@@ -34,9 +33,9 @@ SHAPES = [  # B, H, R, D, G, n, channel group
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_split_packing_round_trips(bits: int) -> None:
     codes = torch.randint(0, 1 << bits, (3, 5, 16), dtype=torch.uint8)
-    packed = pack_split(codes, bits)
+    packed = pack_codes_split(codes, bits)
     assert packed.shape == (3, 5, 16 * bits // 8)
-    assert torch.equal(unpack_split(packed, bits), codes)
+    assert torch.equal(unpack_codes_split(packed, bits), codes)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_model
-from kvweave.rope import Rotary, apply_rotary, find_rotary, remove_rotary
+from kvweave.ops.rope import Rotary, apply_rotary, find_rotary, remove_rotary
 
 
 def test_remove_is_inverse_of_apply():

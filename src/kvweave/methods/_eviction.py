@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvweave.cache import CompressedLayer, Method, visible_mask
+from kvweave.cache import CompressedLayer, Method
+from kvweave.ops.masking import visible_mask
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache

@@ -78,13 +78,15 @@ import torch
 import torch.nn.functional as F
 
 from kvweave._compat import mask_to_bool, sdpa_attention
-from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
-from kvweave.lowrank import Packed, fake_quantize, orthonormal_columns, pack, packed_bytes, top_basis
-from kvweave.rope import apply_rotary
+from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes
+from kvweave.ops.lowrank import orthonormal_columns, top_basis
+from kvweave.ops.masking import prompt_padding, visible_mask
+from kvweave.ops.quantize import Packed, fake_quantize, pack, packed_bytes
+from kvweave.ops.rope import apply_rotary
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
-    from kvweave.rope import Rotary
+    from kvweave.ops.rope import Rotary
 
 SHARED_KEY = "depthweave"
 RANK_GRID = (
@@ -316,7 +318,7 @@ class DepthWeaveLayer(CompressedLayer):
         self.seen += q_len
         group = self.group
         if first == 0:  # prefill: exact attention, like every method; compression happens as the KV is stored
-            self.pad_count = prompt_padding(attention_mask, q_len, self.rows, key.device)
+            self.pad_count = prompt_padding(attention_mask, self.rows, q_len, key.device)
             if getattr(self.cache, "replaying", False):  # shared-prefill replay: only the store matters
                 out = query.new_empty(0)
             else:
@@ -1121,16 +1123,6 @@ def interpolate(errors: dict[int, float], rank: int) -> float:
 
 
 # -------------------------------------------------------------------------------------------------- router
-
-
-def prompt_padding(
-    attention_mask: torch.Tensor | None, tokens: int, rows: int, device: torch.device
-) -> torch.Tensor:
-    """``[B]`` left-padding tokens per row (from the last prompt query's mask row)."""
-    mask = mask_to_bool(attention_mask)
-    if mask is None:
-        return torch.zeros(rows, dtype=torch.int64, device=device)
-    return (~mask[:, 0, -1, :tokens]).sum(-1).to(torch.int64)
 
 
 def observed_attention(

@@ -59,12 +59,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvweave._compat import mask_to_bool, sdpa_attention
-from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
-from kvweave.rope import apply_rotary, remove_rotary, rotate_half
+from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes
+from kvweave.ops.attention import fused_part_attention, merge_parts
+from kvweave.ops.masking import visible_mask
+from kvweave.ops.quantize import dequantize_int8, quantize_int8
+from kvweave.ops.rope import RopeTable, rotate_half
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
-    from kvweave.rope import Rotary
 
 PROFILE_ALPHA = {"default": 0.38, "chat": 0.30, "code": 0.42}  # seed §四.2 and rule 1
 ALPHA_RANGE = (0.25, 0.5)
@@ -299,17 +301,6 @@ def grouped_query_positions(positions: torch.Tensor, groups: torch.Tensor, windo
     return positions // groups + window - window // groups
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT8 with one float32 scale per token: ``x: [..., D]`` -> ``(int8 [..., D], scale [..., 1])``."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
-    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize_int8` (to ``dtype``)."""
-    return (q.float() * scale).to(dtype)
-
-
 def page_upper_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
     """Upper bound of ``q·k`` over each page: ``Σ_d max(q_d·min_d, q_d·max_d)``, as two matmuls.
 
@@ -367,39 +358,6 @@ def attention_probs(scores: torch.Tensor, visible: torch.Tensor, scaling: float)
     return probs, normalised.flatten(1).mean(1)
 
 
-def _flash_part(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of ``query: [B, Hq, c, D]`` over ``keys, values: [B, H, S, D]`` (``mask: [c, S]`` bool or
-    ``None``) in torch's fused CPU kernel: output ``[B, H, groups*c, D]`` (query heads of a KV head packed
-    along the rows) and its log-sum-exp ``[B, H, groups*c]`` (``-inf`` for a row that sees nothing)."""
-    b, hq, c, d = query.shape
-    h, length = keys.shape[1], keys.shape[2]
-    if length == 0:
-        return None
-    groups = hq // h
-    packed = query.reshape(b, h, groups * c, d)
-    additive = None
-    if mask is not None:
-        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-        additive = additive.masked_fill_(~mask, float("-inf")).repeat(groups, 1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        packed, keys.to(query.dtype), values.to(query.dtype), 0.0, False, attn_mask=additive, scale=scaling)
-    if mask is not None:
-        lse = lse.masked_fill(~mask.any(-1).repeat(groups), float("-inf"))
-    return out, lse
-
-
-def _merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
-    """Softmax over the union of the parts' keys, from each part's output and log-sum-exp."""
-    real = [p for p in parts if p is not None]
-    top = torch.stack([lse for _, lse in real]).amax(0)
-    top = torch.where(torch.isinf(top), 0.0, top)
-    weights = [torch.exp(lse - top).unsqueeze(-1) for _, lse in real]
-    total = sum(weights[1:], weights[0])
-    out = sum((w * o.float() for w, (o, _) in zip(weights[1:], real[1:], strict=True)), weights[0] * real[0][0].float())
-    return out / total.clamp(min=torch.finfo(torch.float32).tiny)
-
-
 def flash_remapped_prefill(q_exact: torch.Tensor, q_grouped: torch.Tensor, k_exact: torch.Tensor,
                            k_grouped: torch.Tensor, values: torch.Tensor, window: int, trained: int,
                            scaling: float, chunk: int) -> torch.Tensor | None:
@@ -424,60 +382,27 @@ def flash_remapped_prefill(q_exact: torch.Tensor, q_grouped: torch.Tensor, k_exa
         rows = torch.arange(low, high, device=device).view(-1, 1)
         if high <= trained:  # every query inside the trained range: exact and causal
             diag = torch.arange(low, high, device=device).view(1, -1) <= rows
-            parts = [_flash_part(q_exact[:, :, low:high], k_exact[:, :, :low], values[:, :, :low], None, scaling),
-                     _flash_part(q_exact[:, :, low:high], k_exact[:, :, low:high], values[:, :, low:high], diag,
+            parts = [fused_part_attention(q_exact[:, :, low:high], k_exact[:, :, :low], values[:, :, :low], None, scaling),
+                     fused_part_attention(q_exact[:, :, low:high], k_exact[:, :, low:high], values[:, :, low:high], diag,
                                  scaling)]
         else:
             cut, edge = max(0, low - window + 1), max(0, high - window + 1)
             far_cols = torch.arange(cut, edge, device=device).view(1, -1)
             near_cols = torch.arange(cut, high, device=device).view(1, -1)
             parts = [
-                _flash_part(q_grouped[:, :, low:high], k_grouped[:, :, :cut], values[:, :, :cut], None, scaling),
-                _flash_part(q_grouped[:, :, low:high], k_grouped[:, :, cut:edge], values[:, :, cut:edge],
+                fused_part_attention(q_grouped[:, :, low:high], k_grouped[:, :, :cut], values[:, :, :cut], None, scaling),
+                fused_part_attention(q_grouped[:, :, low:high], k_grouped[:, :, cut:edge], values[:, :, cut:edge],
                             far_cols <= rows - window, scaling),
-                _flash_part(q_exact[:, :, low:high], k_exact[:, :, cut:high], values[:, :, cut:high],
+                fused_part_attention(q_exact[:, :, low:high], k_exact[:, :, cut:high], values[:, :, cut:high],
                             (near_cols <= rows) & (near_cols > rows - window), scaling),
             ]
         c = high - low
-        out = _merge_parts(parts).view(b, h, groups, c, d).reshape(b, hq, c, d)
+        out = merge_parts(parts).view(b, h, groups, c, d).reshape(b, hq, c, d)
         outputs.append(out.to(q_exact.dtype))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------- storage
-
-
-class RopeTable:
-    """``cos, sin`` of the model's rotary embedding at integer positions ``0 .. n-1``, grown on demand.
-
-    One per layer type, shared by the layers of a cache (one table per device): rotating held keys every step
-    reads the table instead of recomputing sines. Built with the model's own rotary module, so the values are
-    the model's. Assumes a position-independent frequency table (not ``dynamic`` RoPE scaling).
-    """
-
-    rebuilt_on_load = True  # made from the model: kvweave.load_cache takes a fresh one, never saves it
-
-    def __init__(self, rotary: Rotary) -> None:
-        self.rotary = rotary
-        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def ensure(self, length: int, device: torch.device) -> None:
-        """Make positions ``< length`` available on ``device``."""
-        held = self.tables.get(device)
-        if held is None or held[0].shape[0] < length:
-            size = max(length, 256, 2 * (held[0].shape[0] if held is not None else 0))
-            cos, sin = self.rotary.cos_sin(torch.arange(size, device=device).view(1, -1), device)
-            self.tables[device] = (cos[0], sin[0])
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE ``x: [B, H, T, D]`` rotated to ``positions: [B, T]`` or ``[B, 1 or H, T]`` (int)."""
-        cos, sin = self.tables[x.device]
-        return apply_rotary(x.float(), cos[positions], sin[positions]).to(x.dtype)
-
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE ``x`` at ``positions`` back to pre-RoPE."""
-        cos, sin = self.tables[x.device]
-        return remove_rotary(x.float(), cos[positions], sin[positions]).to(x.dtype)
 
 
 class _Buffer:

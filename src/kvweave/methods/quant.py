@@ -27,14 +27,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvweave._compat import mask_to_bool, sdpa_attention
-from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes, visible_mask
+from kvweave._compat import sdpa_attention
+from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes
 from kvweave.kernels import cpu_quant
+from kvweave.ops.attention import OnlineSoftmax
+from kvweave.ops.masking import prompt_padding, visible_mask
+from kvweave.ops.quantize import (
+    dequantize,
+    pack_codes,
+    pack_codes_split,
+    quantize,
+    unpack_codes,
+    unpack_codes_split,
+)
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -78,76 +87,13 @@ class Quant(Method):
 # ---------------------------------------------------------------------------------------------- quantization
 
 
-def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization of ``x`` with one (scale, minimum) per slice along ``dim``.
-
-    Returns ``codes`` (uint8, unpacked, same shape as ``x``) and ``scale, minimum`` (float16, ``dim`` kept
-    as size 1). The codes are computed against the float16-rounded scale and minimum actually stored.
-    """
-    x = x.float()
-    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    levels = (1 << bits) - 1
-    scale, minimum = ((high - low) / levels).half(), low.half()
-    if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
-        raise ValueError("quant: keys or values are NaN/Inf or exceed the float16 range; cannot quantize them")
-    step = torch.where(scale == 0, 1.0, scale.float())
-    codes = ((x - minimum.float()) / step).round_().clamp_(0, levels).to(torch.uint8)
-    return codes, scale, minimum
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """float32 ``codes * scale + minimum`` (broadcasting)."""
-    return codes.float() * scale.float() + minimum.float()
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 ``codes`` (< 2**bits) along the last dimension, ``8 // bits`` per byte."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return codes
-    grouped = codes.view(*codes.shape[:-1], -1, per_byte).to(torch.int32)
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return packed
-    mask = (1 << bits) - 1
-    # one slice per position in the byte, then interleave (3x faster on CPU than a broadcast shift)
-    codes = torch.stack([(packed >> (bits * k)) & mask for k in range(per_byte)], dim=-1)
-    return codes.view(*packed.shape[:-1], -1)
-
-
-def pack_split(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 ``codes`` (< 2**bits) along the last dimension (length L) in split order: byte ``i`` holds
-    codes ``i, i + L/P, i + 2L/P, ...`` (``P = 8 // bits``), so unpacking concatenates contiguous runs."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return codes
-    parts = codes.to(torch.int32).view(*codes.shape[:-1], per_byte, -1)
-    shifts = (torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits).view(-1, 1)
-    return (parts << shifts).sum(-2).to(torch.uint8)
-
-
-def unpack_split(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_split`."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return packed
-    mask = (1 << bits) - 1
-    return torch.cat([(packed >> (bits * k)) & mask for k in range(per_byte)], dim=-1)
-
-
 @dataclasses.dataclass
 class Blocks:
     """``n`` quantized blocks of ``G`` tokens for every row: packed codes + float16 scales and minima.
 
     ``key_codes: [B, H, n, D, G*bits/8]`` uint8, channel-major and packed along the block's tokens in split
-    order (:func:`pack_split`), so a channel's codes unpack to a contiguous run of tokens;
-    ``value_codes: [B, H, n, G, D*bits/8]`` uint8, packed along channels (:func:`pack`);
+    order (:func:`~kvweave.ops.quantize.pack_codes_split`), so a channel's codes unpack to a contiguous run of tokens;
+    ``value_codes: [B, H, n, G, D*bits/8]`` uint8, packed along channels (:func:`~kvweave.ops.quantize.pack_codes`);
     ``key_scale, key_min: [B, H, n, 1, D]`` (per channel); ``value_scale, value_min: [B, H, n, G, D/group]``
     (per token and channel group).
     """
@@ -180,14 +126,14 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
     key_codes, key_scale, key_min = quantize(keys, 3, bits)  # per channel, over the block's tokens
     grouped = values.reshape(b, h, n, g, d // channel_group, channel_group)
     value_codes, value_scale, value_min = quantize(grouped, 5, bits)  # per token, per channel group
-    return Blocks(pack_split(key_codes.transpose(-1, -2), bits), key_scale, key_min,
-                  pack(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
+    return Blocks(pack_codes_split(key_codes.transpose(-1, -2), bits), key_scale, key_min,
+                  pack_codes(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
 
 
 def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
     """``q·k`` over quantized key blocks without dequantizing the keys: per-channel scales and minima fold
     into the query, ``q·(c⊙s + m) = (q⊙s)·c + q·m``. ``query: [B, H, R, D]`` float32 -> ``[B, H, R, n*G]``."""
-    codes = unpack_split(blocks.key_codes, bits).float()  # [B, H, n, D, G]
+    codes = unpack_codes_split(blocks.key_codes, bits).float()  # [B, H, n, D, G]
     b, h, n, d, g = codes.shape
     scale, minimum = blocks.key_scale.float().squeeze(3), blocks.key_min.float().squeeze(3)  # [B, H, n, D]
     scaled = query.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, n, R, D]
@@ -199,14 +145,14 @@ def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor
 def dequantize_values(blocks: Blocks, bits: int) -> torch.Tensor:
     """float32 ``values: [B, H, n*G, D]`` of quantized blocks."""
     b, h, n, g, _ = blocks.value_codes.shape
-    codes = unpack(blocks.value_codes, bits).float().view(b, h, n, g, blocks.value_scale.shape[-1], -1)
+    codes = unpack_codes(blocks.value_codes, bits).float().view(b, h, n, g, blocks.value_scale.shape[-1], -1)
     values = dequantize(codes, blocks.value_scale.unsqueeze(-1), blocks.value_min.unsqueeze(-1))
     return values.reshape(b, h, n * g, -1)
 
 
 def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`Blocks` -> float32 ``keys, values: [B, H, n*G, D]``."""
-    codes = unpack_split(blocks.key_codes, bits).transpose(-1, -2)  # [B, H, n, G, D]
+    codes = unpack_codes_split(blocks.key_codes, bits).transpose(-1, -2)  # [B, H, n, G, D]
     keys = dequantize(codes, blocks.key_scale, blocks.key_min)
     b, h, n, g, d = keys.shape
     return keys.reshape(b, h, n * g, d), dequantize_values(blocks, bits)
@@ -215,49 +161,6 @@ def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Te
 def _fused_values(weights: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
     """``weights @ values`` of ``blocks`` in the C++ kernel."""
     return cpu_quant.weighted_values(weights, blocks.value_codes, blocks.value_scale, blocks.value_min, bits)
-
-
-# ---------------------------------------------------------------------------------------------- online softmax
-
-
-class OnlineSoftmax:
-    """Attention accumulated over chunks of keys: running max, running sum and weighted values.
-
-    ``query: [B, H, R, D]`` (R = query heads of a group x new queries, packed) in float32.
-    """
-
-    def __init__(self, query: torch.Tensor, scaling: float) -> None:
-        self.query, self.scaling = query, scaling
-        b, h, r, d = query.shape
-        self.maximum = torch.full((b, h, r, 1), float("-inf"), device=query.device)
-        self.total = torch.zeros(b, h, r, 1, device=query.device)
-        self.out = torch.zeros(b, h, r, d, device=query.device)
-
-    def add(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
-        """Attend to ``keys, values: [B, H, T, D]`` where ``visible: [B, H or 1, R, T]``."""
-        self.add_logits(self.query @ keys.float().transpose(-1, -2), values, visible)
-
-    def add_logits(self, logits: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> None:
-        """Attend with precomputed ``q·k`` logits ``[B, H, R, T]`` (unscaled) to ``values: [B, H, T, D]``."""
-        self.add_scaled(logits * self.scaling, visible, lambda weights: weights @ values.float())
-
-    def add_scaled(self, logits: torch.Tensor, visible: torch.Tensor | None,
-                   weighted: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Attend with scaled logits ``[B, H, R, T]`` (``visible: [B, H or 1, R, T]``, ``None``: all visible);
-        ``weighted(weights)`` returns ``weights @ values`` ``[B, H, R, D]`` for the chunk's values."""
-        if visible is not None:
-            logits = logits.masked_fill(~visible, float("-inf"))
-        maximum = torch.maximum(self.maximum, logits.amax(-1, keepdim=True))
-        safe = torch.where(torch.isinf(maximum), 0.0, maximum)  # no visible entry yet: nothing to rescale
-        correction = torch.exp(self.maximum - safe)
-        weights = torch.exp(logits - safe)
-        self.total = self.total * correction + weights.sum(-1, keepdim=True)
-        self.out = self.out * correction + weighted(weights)
-        self.maximum = maximum
-
-    def result(self) -> torch.Tensor:
-        """``[B, H, R, D]`` attention output (zero for a query that saw nothing)."""
-        return self.out / self.total.clamp(min=torch.finfo(torch.float32).tiny)
 
 
 # ---------------------------------------------------------------------------------------------- cache layer
@@ -502,11 +405,3 @@ class QuantLayer(CompressedLayer):
         exact = int(self.recent_count.max()) if self.recent_count.numel() else 0
         return {"entries": self.entries(), "quantized_tokens": blocks * self.group, "exact_tokens": exact,
                 "bits": self.bits, "kernel": self.kernel_used}
-
-
-def prompt_padding(attention_mask: torch.Tensor | None, rows: int, tokens: int, device: torch.device) -> torch.Tensor:
-    """``[B]`` left-padding tokens per row among the first ``tokens``, from the prefill mask's last query row."""
-    mask = mask_to_bool(attention_mask)
-    if mask is None:
-        return torch.zeros(rows, dtype=torch.int64, device=device)
-    return (~mask[:, 0, -1, :tokens]).sum(-1).to(torch.int64)

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvweave._compat import sdpa_attention
-from kvweave.cache import CompressedLayer, Method, masked_attention, option, register, visible_mask
+from kvweave.cache import CompressedLayer, Method, option, register
 from kvweave.methods.pi import rerotate, token_positions
+from kvweave.ops.attention import masked_attention
+from kvweave.ops.masking import visible_mask
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache

@@ -1,13 +1,13 @@
-"""Low-rank and integer-storage helpers (DepthWeave-KV's bases, coefficients and residual rows).
+"""Integer storage, in one place: every quantizer kvweave uses and the one packed-tensor type.
 
-- :func:`top_basis`: the leading right singular vectors of a tall matrix ``x: [n, w]`` (token-side bases come
-  from ``x @ V``). For ``w`` up to 2048 it diagonalises the Gram ``xᵀx`` (``O(n·w²)``; several times faster on
-  CPU than an SVD of ``x``, and only the leading, well-separated directions matter); wider matrices use
-  randomized ``torch.svd_lowrank``.
-- :class:`Packed`: a ``[..., n, w]`` tensor stored at 16 bits (the storage dtype, no scales), INT8 or INT4
-  (two values per byte along ``w``), with symmetric scales either per column over groups of ``group`` rows
-  (token-side coordinates, coefficients) or per row (residual rows). Rows can be appended; only the partial
-  last row group is re-quantized.
+- Asymmetric min/max codes (KIVI-style ``quant``): :func:`quantize` / :func:`dequantize` with one
+  (scale, minimum) per slice, codes packed ``8 // bits`` per byte by :func:`pack_codes` (interleaved) or
+  :func:`pack_codes_split` (split runs, for the CPU kernel).
+- Symmetric groups (DepthWeave's bases, coefficients and residual rows): :class:`Packed`, a ``[..., n, w]``
+  tensor stored at 16 bits (the storage dtype, no scales), INT8 or INT4 (two values per byte along ``w``),
+  with float16 scales either per column over groups of ``group`` rows or per row. Rows can be appended;
+  only the partial last row group is re-quantized.
+- Symmetric INT8 per token with a float32 scale (DK-Cache's steady and far tiers): :func:`quantize_int8`.
 """
 
 from __future__ import annotations
@@ -22,27 +22,73 @@ SCALE_DTYPE = torch.float16
 _SCALE_MIN = 6.2e-5  # smallest normal float16: scales never become subnormal or zero
 
 
-def top_basis(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``V: [w, r]`` orthonormal leading right singular vectors of ``x: [n, w]`` and ``s: [r]`` (descending).
+# ------------------------------------------------------------------------------ asymmetric codes (quant)
 
-    ``r = min(rank, n, w)``; float32.
+
+def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of ``x`` with one (scale, minimum) per slice along ``dim``.
+
+    Returns ``codes`` (uint8, unpacked, same shape as ``x``) and ``scale, minimum`` (float16, ``dim`` kept
+    as size 1). The codes are computed against the float16-rounded scale and minimum actually stored.
     """
-    n, w = x.shape
-    r = max(1, min(rank, n, w))
-    if w <= 2048:
-        x = x.float()
-        values, vectors = torch.linalg.eigh(x.T @ x)  # [w, w] Gram, ascending eigenvalues
-        values, vectors = values.flip(0)[:r], vectors.flip(1)[:, :r]
-        return vectors.contiguous(), values.clamp_min(0).sqrt()
-    u, s, v = torch.svd_lowrank(x.float(), q=min(r + 10, n, w), niter=3)
-    return v[:, :r].contiguous(), s[:r]
+    x = x.float()
+    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    levels = (1 << bits) - 1
+    scale, minimum = ((high - low) / levels).half(), low.half()
+    if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
+        raise ValueError("quant: keys or values are NaN/Inf or exceed the float16 range; cannot quantize them")
+    step = torch.where(scale == 0, 1.0, scale.float())
+    codes = ((x - minimum.float()) / step).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale, minimum
 
 
-def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
-    """An orthonormal basis ``[w, k]`` of the column span of ``x: [w, c]`` (null directions dropped)."""
-    u, s, _ = torch.linalg.svd(x.double(), full_matrices=False)
-    keep = s > s.max().clamp_min(1e-30) * 1e-7
-    return u[:, keep].float()
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """float32 ``codes * scale + minimum`` (broadcasting)."""
+    return codes.float() * scale.float() + minimum.float()
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 ``codes`` (< 2**bits) along the last dimension, ``8 // bits`` per byte."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    grouped = codes.view(*codes.shape[:-1], -1, per_byte).to(torch.int32)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    # one slice per position in the byte, then interleave (3x faster on CPU than a broadcast shift)
+    codes = torch.stack([(packed >> (bits * k)) & mask for k in range(per_byte)], dim=-1)
+    return codes.view(*packed.shape[:-1], -1)
+
+
+def pack_codes_split(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 ``codes`` (< 2**bits) along the last dimension (length L) in split order: byte ``i`` holds
+    codes ``i, i + L/P, i + 2L/P, ...`` (``P = 8 // bits``), so unpacking concatenates contiguous runs."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    parts = codes.to(torch.int32).view(*codes.shape[:-1], per_byte, -1)
+    shifts = (torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits).view(-1, 1)
+    return (parts << shifts).sum(-2).to(torch.uint8)
+
+
+def unpack_codes_split(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes_split`."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * k)) & mask for k in range(per_byte)], dim=-1)
+
+
+# ----------------------------------------------------------------- symmetric groups (DepthWeave's Packed)
 
 
 @dataclasses.dataclass
@@ -166,3 +212,17 @@ def _unpack4(data: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor
     conversion (the decode-time path; several times faster on CPU than going through int16)."""
     nibbles = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)[..., :width]
     return nibbles.to(dtype).sub_(8)
+
+
+# ------------------------------------------------------------------- per-token INT8 (DK-Cache's tiers)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 with one float32 scale per token: ``x: [..., D]`` -> ``(int8 [..., D], scale [..., 1])``."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_int8` (to ``dtype``)."""
+    return (q.float() * scale).to(dtype)

@@ -79,3 +79,36 @@ def find_rotary(model: Any) -> torch.nn.Module | None:
         if module.__class__.__name__.endswith("RotaryEmbedding"):
             return module  # type: ignore[no-any-return]
     return None
+
+
+class RopeTable:
+    """``cos, sin`` of the model's rotary embedding at integer positions ``0 .. n-1``, grown on demand.
+
+    One per layer type, shared by the layers of a cache (one table per device): rotating held keys every step
+    reads the table instead of recomputing sines. Built with the model's own rotary module, so the values are
+    the model's. Assumes a position-independent frequency table (not ``dynamic`` RoPE scaling).
+    """
+
+    rebuilt_on_load = True  # made from the model: kvweave.load_cache takes a fresh one, never saves it
+
+    def __init__(self, rotary: Rotary) -> None:
+        self.rotary = rotary
+        self.tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def ensure(self, length: int, device: torch.device) -> None:
+        """Make positions ``< length`` available on ``device``."""
+        held = self.tables.get(device)
+        if held is None or held[0].shape[0] < length:
+            size = max(length, 256, 2 * (held[0].shape[0] if held is not None else 0))
+            cos, sin = self.rotary.cos_sin(torch.arange(size, device=device).view(1, -1), device)
+            self.tables[device] = (cos[0], sin[0])
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE ``x: [B, H, T, D]`` rotated to ``positions: [B, T]`` or ``[B, 1 or H, T]`` (int)."""
+        cos, sin = self.tables[x.device]
+        return apply_rotary(x.float(), cos[positions], sin[positions]).to(x.dtype)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE ``x`` at ``positions`` back to pre-RoPE."""
+        cos, sin = self.tables[x.device]
+        return remove_rotary(x.float(), cos[positions], sin[positions]).to(x.dtype)
