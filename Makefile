@@ -21,6 +21,7 @@ models: test-models  ## every model the demo and the results use
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src/kvweave
 
 test: test-models lint  ## unit + contract + integration tests

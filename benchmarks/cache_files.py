@@ -23,8 +23,8 @@ from dkcache_decode_speed import prompt_ids  # a sibling script: benchmarks/ is 
 
 import kvweave
 from kvweave._compat import cache_kwarg
-from kvweave.cache import parse_method
 from kvweave.eval.runner import environment
+from kvweave.registry import parse_method
 
 
 def _decode(model: torch.nn.Module, cache: object, token: torch.Tensor, steps: int) -> list[int]:
@@ -70,17 +70,28 @@ def main() -> None:
             held, loaded_held = cache.nbytes(), loaded.nbytes()
             first = logits[:, -1:].argmax(-1)
             same = _decode(model, cache, first, args.steps) == _decode(model, loaded, first, args.steps)
-            row = {"model": args.model, "context": args.context, "method": spec, "prefill_s": round(prefill_s, 2),
-                   "save_s": round(save_s, 3), "load_s": round(load_s, 3),
-                   "load_vs_prefill": round(prefill_s / load_s, 1),
-                   "file_bytes": sum(f.stat().st_size for f in folder.iterdir()), "kv_bytes": held,
-                   "loaded_kv_bytes": loaded_held, "same_tokens": same, "steps": args.steps,
-                   "environment": env}
+            row = {
+                "model": args.model,
+                "context": args.context,
+                "method": spec,
+                "prefill_s": round(prefill_s, 2),
+                "save_s": round(save_s, 3),
+                "load_s": round(load_s, 3),
+                "load_vs_prefill": round(prefill_s / load_s, 1),
+                "file_bytes": sum(f.stat().st_size for f in folder.iterdir()),
+                "kv_bytes": held,
+                "loaded_kv_bytes": loaded_held,
+                "same_tokens": same,
+                "steps": args.steps,
+                "environment": env,
+            }
             with out.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"{spec:30s} prefill {prefill_s:7.2f} s  save {save_s:6.3f} s  load {load_s:6.3f} s  "
-                  f"file {row['file_bytes'] / 2**20:7.2f} MiB  held {row['kv_bytes'] / 2**20:7.2f} MiB  "
-                  f"same tokens: {same}")
+            print(
+                f"{spec:30s} prefill {prefill_s:7.2f} s  save {save_s:6.3f} s  load {load_s:6.3f} s  "
+                f"file {row['file_bytes'] / 2**20:7.2f} MiB  held {row['kv_bytes'] / 2**20:7.2f} MiB  "
+                f"same tokens: {same}"
+            )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import torch
 
 import kvweave
 from kvweave._compat import cache_kwarg
-from kvweave.cache import parse_method
 from kvweave.ops.rope import Rotary, find_rotary
+from kvweave.registry import parse_method
 
 DEFAULT_SETTINGS = [  # the defaults, then one change at a time (the ablation table in depthweave's docstring)
     "depthweave",
@@ -53,8 +53,8 @@ DEFAULT_SETTINGS = [  # the defaults, then one change at a time (the ablation ta
     "depthweave:bits=16",
     "depthweave:weighting=0",
     "depthweave:recent=128",
-    "depthweave:target_ratio=4",
-    "depthweave:target_ratio=16",
+    "depthweave:compression=4",
+    "depthweave:compression=16",
 ]
 
 

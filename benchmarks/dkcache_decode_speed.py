@@ -13,18 +13,16 @@ versions. Usage::
         --out docs/data/dkcache-decode-speed.jsonl
 
 Method specs are separated by ``;`` (they contain commas). ``full`` is always measured first. With
-``--reference`` every ``dkcache`` spec is measured a second time through the general (reference) decode path
-(``FAST_DECODE`` and ``FAST_COMPENSATED`` off), labelled ``<spec> [general path]``, so a speed-up of the fast
-paths is a ratio measured in the same process.
+``--reference`` every ``dkcache`` spec is measured a second time through the general (reference) attention path
+(option ``path=reference``), labelled ``<spec> [general path]``, so a speed-up of the fast paths is a ratio
+measured in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,24 +31,18 @@ from tqdm import tqdm
 
 import kvweave
 from kvweave._compat import cache_kwarg
-from kvweave.cache import parse_method
 from kvweave.eval.runner import environment
 from kvweave.eval.tasks import load_haystack
-from kvweave.methods import dkcache
+from kvweave.registry import parse_method
 
 GENERAL = " [general path]"
 
 
-@contextlib.contextmanager
-def decode_path(label: str) -> Iterator[None]:
-    """DK-Cache's fast decode paths off while a ``[general path]`` entry runs."""
-    saved = dkcache.FAST_DECODE, dkcache.FAST_COMPENSATED
+def cache_method(label: str) -> Any:
+    """The method a row measures: its spec, with ``path="reference"`` for a ``[general path]`` row."""
     if label.endswith(GENERAL):
-        dkcache.FAST_DECODE = dkcache.FAST_COMPENSATED = False
-    try:
-        yield
-    finally:
-        dkcache.FAST_DECODE, dkcache.FAST_COMPENSATED = saved
+        return parse_method(label.removesuffix(GENERAL), path="reference")
+    return parse_method(label)
 
 
 def prompt_ids(tokenizer: Any, tokens: int) -> torch.Tensor:
@@ -72,8 +64,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="tokens decoded per method per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best is reported")
     parser.add_argument("--beyond-trained", action="store_true", help="allow a prompt past the trained range")
-    parser.add_argument("--reference", action="store_true",
-                        help="also measure each dkcache spec through the general (reference) decode path")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also measure each dkcache spec through the general (reference) decode path",
+    )
     parser.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     args = parser.parse_args()
     if args.context < 1 or args.steps < 1 or args.rounds < 1:
@@ -87,8 +82,10 @@ def main() -> None:
     model, tokenizer = kvweave.load_model(args.model)
     trained = int(model.config.max_position_embeddings)
     if args.context > trained and not args.beyond_trained:
-        parser.error(f"--context {args.context} is beyond {args.model}'s trained context ({trained}); "
-                     "pass --beyond-trained to measure it anyway")
+        parser.error(
+            f"--context {args.context} is beyond {args.model}'s trained context ({trained}); "
+            "pass --beyond-trained to measure it anyway"
+        )
     if args.reference:
         specs += [spec + GENERAL for spec in specs if parse_method(spec).name == "dkcache"]
     ids = prompt_ids(tokenizer, args.context)
@@ -96,10 +93,9 @@ def main() -> None:
     prefill_s: dict[str, float] = {}
     with torch.no_grad():
         for spec in tqdm(specs, desc="prefill"):
-            cache = kvweave.make_cache(spec.removesuffix(GENERAL), model)
+            cache = kvweave.make_cache(cache_method(spec), model)
             start = time.perf_counter()
-            with decode_path(spec):
-                logits = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits
+            logits = model(ids, use_cache=True, **{cache_kwarg(model): cache}).logits
             prefill_s[spec] = time.perf_counter() - start
             state[spec] = [cache, logits[:, -1:].argmax(-1)]
         best = {spec: float("inf") for spec in specs}
@@ -107,10 +103,10 @@ def main() -> None:
             for spec in specs:
                 cache, token = state[spec]
                 start = time.perf_counter()
-                with decode_path(spec):
-                    for _ in range(args.steps):
-                        token = model(token, use_cache=True,
-                                      **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+                for _ in range(args.steps):
+                    token = (
+                        model(token, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+                    )
                 best[spec] = min(best[spec], (time.perf_counter() - start) / args.steps)
                 state[spec][1] = token
     env = environment()
@@ -121,11 +117,19 @@ def main() -> None:
             cache = state[spec][0]
             layers = cache.stats().get("layers", []) if hasattr(cache, "stats") else []
             attended = [layer.get("attended_entries") for layer in layers if layer.get("attended_entries")]
-            row = {"model": args.model, "context": args.context, "method": spec, "steps": args.steps,
-                   "rounds": args.rounds, "ms_per_token": round(1000 * best[spec], 2),
-                   "speed_vs_full": round(best["full"] / best[spec], 3), "prefill_s": round(prefill_s[spec], 1),
-                   "kv_bytes": cache.nbytes() if hasattr(cache, "nbytes") else None,
-                   "attended_entries": max(attended) if attended else None, "environment": env}
+            row = {
+                "model": args.model,
+                "context": args.context,
+                "method": spec,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "ms_per_token": round(1000 * best[spec], 2),
+                "speed_vs_full": round(best["full"] / best[spec], 3),
+                "prefill_s": round(prefill_s[spec], 1),
+                "kv_bytes": cache.nbytes() if hasattr(cache, "nbytes") else None,
+                "attended_entries": max(attended) if attended else None,
+                "environment": env,
+            }
             fh.write(json.dumps(row) + "\n")
             print(f"{spec:55s} {row['ms_per_token']:8.1f} ms/token  {row['speed_vs_full']:.2f}x of full")
 

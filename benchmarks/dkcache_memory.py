@@ -21,15 +21,23 @@ from dkcache_decode_speed import prompt_ids  # a sibling script: benchmarks/ is 
 import kvweave
 from kvweave._compat import cache_kwarg
 from kvweave.eval.runner import environment
-from kvweave.methods import dkcache
+from kvweave.methods.dkcache import tiers
 
 
-def held_after_generation(model: torch.nn.Module, ids: torch.Tensor, spec: str, new_tokens: int) -> tuple[int, int]:
+def held_after_generation(
+    model: torch.nn.Module, ids: torch.Tensor, spec: str, new_tokens: int
+) -> tuple[int, int]:
     """``(bytes held, bytes of a 16-bit DynamicCache)`` after generating ``new_tokens`` from ``ids``."""
     cache = kvweave.make_cache(spec, model)
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, **{cache_kwarg(model): cache})
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            **{cache_kwarg(model): cache},
+        )
     return cache.nbytes(), cache.full_kv_bytes(16)
 
 
@@ -50,24 +58,36 @@ def main() -> None:
     env = environment()
     full_held, reference = held_after_generation(model, ids, "full", args.new_tokens)
     rows = [{"method": "full", "growth": None, "kv_bytes": full_held}]
-    saved = dkcache.GROWTH
+    saved = tiers.GROWTH
     try:
         for growth in growths:
-            dkcache.GROWTH = growth
-            rows.append({"method": args.method, "growth": growth,
-                         "kv_bytes": held_after_generation(model, ids, args.method, args.new_tokens)[0]})
+            tiers.GROWTH = growth
+            rows.append(
+                {
+                    "method": args.method,
+                    "growth": growth,
+                    "kv_bytes": held_after_generation(model, ids, args.method, args.new_tokens)[0],
+                }
+            )
     finally:
-        dkcache.GROWTH = saved
+        tiers.GROWTH = saved
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as fh:
         for row in rows:
-            row.update(model=args.model, context=args.context, new_tokens=args.new_tokens,
-                       full_kv_bytes_16bit=reference, vs_full=round(row["kv_bytes"] / full_held, 3),
-                       environment=env)
+            row.update(
+                model=args.model,
+                context=args.context,
+                new_tokens=args.new_tokens,
+                full_kv_bytes_16bit=reference,
+                vs_full=round(row["kv_bytes"] / full_held, 3),
+                environment=env,
+            )
             fh.write(json.dumps(row) + "\n")
-            print(f"{row['method']:35s} growth 1/{row['growth'] or '-':<3} {row['kv_bytes'] / 2**20:8.1f} MiB "
-                  f"({row['vs_full']:.2f}x of full)")
+            print(
+                f"{row['method']:35s} growth 1/{row['growth'] or '-':<3} {row['kv_bytes'] / 2**20:8.1f} MiB "
+                f"({row['vs_full']:.2f}x of full)"
+            )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,15 @@ import kvweave
 from kvweave._compat import cache_kwarg
 
 GROUP, RESIDUAL, BITS = 32, 128, 4
-LAYOUT = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768)
+LAYOUT = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+)
 """A tiny-ish Llama layout (head_dim 64, GQA 4:1): small weights, so the KV cache matters at a few K tokens."""
 
 
@@ -73,8 +80,15 @@ def make_cache(name: str, model: Any) -> Any:
         return kvweave.make_cache(name.removeprefix("kvweave:"), model)
     backend = name.split(":")[2]
     axis = {"quanto": 0, "hqq": 1}[backend]
-    return transformers.QuantizedCache(backend=backend, config=model.config, nbits=BITS, q_group_size=GROUP,
-                                       residual_length=RESIDUAL, axis_key=axis, axis_value=axis)
+    return transformers.QuantizedCache(
+        backend=backend,
+        config=model.config,
+        nbits=BITS,
+        q_group_size=GROUP,
+        residual_length=RESIDUAL,
+        axis_key=axis,
+        axis_value=axis,
+    )
 
 
 def synchronize(device: str) -> None:
@@ -110,8 +124,9 @@ def kv_bytes(cache: Any) -> int | None:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def measure_all(model: Any, names: list[str], context: int, new_tokens: int, repeats: int,
-                device: str) -> dict[str, dict[str, Any]]:
+def measure_all(
+    model: Any, names: list[str], context: int, new_tokens: int, repeats: int, device: str
+) -> dict[str, dict[str, Any]]:
     """Per method, medians over ``repeats`` runs after one short warm-up run each. The repeats are interleaved
     (every method once per round), so a change in background load hits all methods alike. Random token
     ids: speed does not depend on them."""
@@ -137,9 +152,15 @@ def measure_all(model: Any, names: list[str], context: int, new_tokens: int, rep
 
 def environment(device: str, dtype: torch.dtype) -> dict[str, Any]:
     """Hardware and versions written beside every row."""
-    info = {"device": device, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    info = {
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -153,18 +174,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: bf16 on GPU)")
     parser.add_argument("--out", type=Path, default=Path("runs/quant_vs_transformers.jsonl"))
-    parser.add_argument("--model", default=None,
-                        help="a kvweave registry model (real weights) instead of the random Llama layout")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a kvweave registry model (real weights) instead of the random Llama layout",
+    )
     args = parser.parse_args(argv)
 
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device.startswith("cuda")
-                                                           else torch.float32)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    )
     backend = transformers_backend()
     kvweave_quant = f"kvweave:quant:bits={BITS},group={GROUP},residual={RESIDUAL}"
     methods = ["full", f"{kvweave_quant},kernel=cpp", f"{kvweave_quant},kernel=torch"]
     if backend is None:
-        print("transformers' QuantizedCache needs optimum-quanto or hqq; neither is installed "
-              "(pip install optimum-quanto). Measuring full and kvweave only.")
+        print(
+            "transformers' QuantizedCache needs optimum-quanto or hqq; neither is installed "
+            "(pip install optimum-quanto). Measuring full and kvweave only."
+        )
     else:
         methods.append(f"transformers:QuantizedCache:{backend}:{BITS}")
     model = make_model(args.device, dtype, args.model)
@@ -175,14 +204,23 @@ def main(argv: list[str] | None = None) -> int:
         results = measure_all(model, methods, context, args.new_tokens, args.repeats, args.device)
         reference = results["full"]["decode_tok_s"]
         for name, result in results.items():
-            row = {"benchmark": "quant_vs_transformers", "method": name, "context": context,
-                   "new_tokens": args.new_tokens, "repeats": args.repeats, **result,
-                   "speed_vs_full": result["decode_tok_s"] / reference,
-                   "model": label, **env}
+            row = {
+                "benchmark": "quant_vs_transformers",
+                "method": name,
+                "context": context,
+                "new_tokens": args.new_tokens,
+                "repeats": args.repeats,
+                **result,
+                "speed_vs_full": result["decode_tok_s"] / reference,
+                "model": label,
+                **env,
+            }
             with args.out.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
-            print(f"{context:>6} {name:48s} {result['decode_tok_s']:8.1f} tok/s  x{row['speed_vs_full']:.2f} vs full"
-                  f"  prefill {result['prefill_s']:.2f}s  kv {result['kv_bytes']}")
+            print(
+                f"{context:>6} {name:48s} {result['decode_tok_s']:8.1f} tok/s  x{row['speed_vs_full']:.2f} vs full"
+                f"  prefill {result['prefill_s']:.2f}s  kv {result['kv_bytes']}"
+            )
     return 0
 
 

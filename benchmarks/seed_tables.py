@@ -87,8 +87,9 @@ def dkcache_table(folders: list[Path]) -> str:
             share = f"{100 * statistics.median(attended):.0f}%"
         else:  # rows from before the runner recorded ``attended`` say nothing either way
             share = "all held" if all("attended" in r for r in rows) else "not recorded"
-        entries.append((task, ctx, order[label], method, label, accuracy, len(rows), kv, compression, share, ratio,
-                        run))
+        entries.append(
+            (task, ctx, order[label], method, label, accuracy, len(rows), kv, compression, share, ratio, run)
+        )
     for task, ctx, _, method, label, accuracy, n, kv, compression, share, ratio, run in sorted(entries):
         speed = f"{ratio:.2f}" if ratio is not None else "-"
         lines.append(

@@ -1,9 +1,9 @@
 """kvweave: KV-cache compression for long-context inference with Hugging Face transformers.
 
-    model, tokenizer = kvweave.load_model("qwen2.5-coder-0.5b")
-    cache = kvweave.make_cache("full", model)          # or "window:window=1024", "quant:bits=4", ...
-    model.generate(**inputs, past_key_values=cache)
-    cache.nbytes(), cache.stats()
+model, tokenizer = kvweave.load_model("qwen2.5-coder-0.5b")
+cache = kvweave.make_cache("full", model)          # or "window:window=1024", "quant:bits=4", ...
+model.generate(**inputs, past_key_values=cache)
+cache.nbytes(), cache.stats()
 """
 
 from __future__ import annotations

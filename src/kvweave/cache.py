@@ -1,7 +1,7 @@
-"""The cache framework: a method registry, ``KVCache`` (a ``transformers.Cache``) and the base cache layer.
+"""The cache framework: ``KVCache`` (a ``transformers.Cache``), its shared context and the base cache layer.
 
 Storage is not policy. ``KVCache`` is a list of per-layer objects, like transformers' ``DynamicCache``;
-each compression method is a small options dataclass (:class:`Method`) registered with :func:`register`
+each compression method is a small options dataclass (:class:`kvweave.registry.Method`), registered by name,
 whose ``make_layer`` builds the layer objects. Sliding-window layers (Gemma3's local layers) keep
 transformers' own window layer: they are already bounded.
 
@@ -26,168 +26,9 @@ from kvweave._compat import Cache, CacheLayerMixin, default_layers, mask_to_bool
 from kvweave.attention import mark_pending, prepare
 from kvweave.ops.attention import masked_attention
 from kvweave.ops.masking import visible_mask
-from kvweave.ops.rope import Rotary, find_rotary
-
-# ----------------------------------------------------------------------------------------------- registry
-
-METHODS: dict[str, type[Method]] = {}
-
-
-def register(name: str) -> Any:
-    """Class decorator: register a :class:`Method` subclass under ``name``."""
-
-    def wrap(cls: type[Method]) -> type[Method]:
-        if name in METHODS:
-            raise ValueError(
-                f"method {name!r} is registered twice ({METHODS[name].__module__}, {cls.__module__})"
-            )
-        cls.name = name
-        METHODS[name] = cls
-        return cls
-
-    return wrap
-
-
-def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A method option: a dataclass field with a help text (shown by ``kvweave methods``)."""
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
-
-
-@dataclasses.dataclass
-class Method:
-    """Base of every method: its options are dataclass fields, its capabilities class attributes."""
-
-    name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""
-    exact: ClassVar[bool] = False  # logits equal to DynamicCache
-    evicts: ClassVar[bool] = False  # holds fewer entries than tokens seen
-    needs_positions: ClassVar[bool] = False  # de-rotates keys / changes RoPE positions
-    cross_layer: ClassVar[bool] = False  # shares state between layers
-    supports_batch: ClassVar[bool] = True
-    uses_kvweave_attention: ClassVar[bool] = True  # needs kvweave.prepare(model)
-    exact_prefill: ClassVar[bool] = True  # prefill attention is exact (compression happens after it)
-    bounded_memory: ClassVar[bool] = False  # entries held stay bounded however long decoding runs
-    compresses: ClassVar[bool] = True  # holds fewer bytes than the exact cache (False: exact or position-only)
-    # For the contract test: options that make the method compress a ~40-token prompt, and option sets
-    # that must be rejected (each with the name of the offending option).
-    test_options: ClassVar[dict[str, Any]] = {}
-    invalid_options: ClassVar[tuple[tuple[dict[str, Any], str], ...]] = ()
-
-    def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
-        """The cache layer object for decoder layer ``layer_idx`` (full-attention layers only)."""
-        raise NotImplementedError
-
-    def options(self) -> dict[str, Any]:
-        """The option values of this instance."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def spec(self) -> str:
-        """``name:key=value,...`` with the options that differ from their defaults."""
-        changed = [
-            f"{f.name}={getattr(self, f.name)}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != f.default
-        ]
-        return self.name + (":" + ",".join(changed) if changed else "")
-
-    @classmethod
-    def describe(cls) -> dict[str, Any]:
-        """Name, summary, capabilities and options (name, type, default, help) for CLIs and docs."""
-        hints = typing.get_type_hints(cls)
-        return {
-            "name": cls.name,
-            "summary": cls.summary or (cls.__doc__ or "").strip().splitlines()[0],
-            "capabilities": {
-                c: getattr(cls, c)
-                for c in ("exact", "evicts", "needs_positions", "cross_layer", "supports_batch")
-            },
-            "options": [
-                {
-                    "name": f.name,
-                    "type": _type_name(hints.get(f.name)),
-                    "default": f.default,
-                    "help": f.metadata.get("help", ""),
-                }
-                for f in dataclasses.fields(cls)
-            ],
-        }
-
-    def replays_prefill(self, config: Any, tokens: int) -> bool:
-        """Whether a ``tokens``-token prompt on a model with ``config`` is prefilled with exact attention, so
-        that the evaluation may build this cache from one shared recorded prefill (``kvweave.eval.prefill``).
-        Default: the class's ``exact_prefill``; methods exact only under some conditions refine it."""
-        return self.exact_prefill
-
-    # -- validation helpers used by subclasses' __post_init__
-    def check_range(self, option_name: str, low: float | None = None, high: float | None = None) -> None:
-        """Raise ``ValueError`` naming the option, its value and the allowed range when out of range."""
-        value = getattr(self, option_name)
-        if (low is not None and value < low) or (high is not None and value > high):
-            bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
-            raise ValueError(f"{self.name}: option {option_name}={value!r} is out of range; allowed {bounds}")
-
-    def check_choice(self, option_name: str, choices: typing.Iterable[Any]) -> None:
-        """Raise ``ValueError`` naming the option, its value and the allowed values."""
-        value, allowed = getattr(self, option_name), list(choices)
-        if value not in allowed:
-            raise ValueError(
-                f"{self.name}: option {option_name}={value!r} is not allowed; choose one of {allowed}"
-            )
-
-
-def _type_name(hint: Any) -> str:
-    if hint is None:
-        return "any"
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-
-
-def _convert(cls: type[Method], key: str, text: str) -> Any:
-    """Turn an option given as text into the field's type."""
-    hint = typing.get_type_hints(cls).get(key)
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    if text.lower() in ("none", "null") and type(None) in typing.get_args(hint):
-        return None
-    for kind in args:
-        try:
-            if kind is bool:
-                if text.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if text.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError
-            if kind in (int, float):
-                return kind(text)
-            if kind is str:
-                return text
-        except ValueError:
-            continue
-    raise ValueError(f"{cls.name}: option {key}={text!r} is not a valid {_type_name(hint)}")
-
-
-def parse_method(spec: str | Method, **overrides: Any) -> Method:
-    """A :class:`Method` from ``"name"``, ``"name:key=value,key=value"`` or an instance (+ keyword options)."""
-    if isinstance(spec, Method):
-        return dataclasses.replace(spec, **overrides) if overrides else spec
-    name, _, rest = spec.strip().partition(":")
-    import kvweave.methods  # noqa: F401  (registers the built-in methods)
-
-    if name not in METHODS:
-        raise ValueError(
-            f"unknown method {name!r}; available: {', '.join(sorted(METHODS))} (see `kvweave methods`)"
-        )
-    cls = METHODS[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    options: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, text = item.partition("=")
-        if not eq:
-            raise ValueError(f"{name}: option {item!r} needs the form key=value")
-        options[key.strip()] = text.strip()
-    unknown = sorted((set(options) | set(overrides)) - fields)
-    if unknown:
-        raise ValueError(f"{name}: unknown option(s) {unknown}; allowed: {sorted(fields) or 'none'}")
-    typed = {k: _convert(cls, k, v) for k, v in options.items()}
-    return cls(**typed, **overrides)
+from kvweave.ops.rope import RopeTable, Rotary, find_rotary
+from kvweave.registry import Method, parse_method
+from kvweave.state import Stateful
 
 
 def make_cache(method: str | Method = "full", model: Any = None, **options: Any) -> KVCache:
@@ -201,6 +42,62 @@ def make_cache(method: str | Method = "full", model: Any = None, **options: Any)
 
 
 # ------------------------------------------------------------------------------------------------ cache
+
+
+@dataclasses.dataclass
+class StepPositions(Stateful):
+    """The RoPE positions of one forward call, computed once and read by every layer of the cache."""
+
+    positions: torch.Tensor  # [B, q] int64
+    row_lengths: list[int]  # per row: largest position + 1
+    aligned: bool  # every row's positions are its slots (no padding, no offset)
+
+
+class CacheContext(Stateful):
+    """What the layers of one cache share, typed: the prompt, RoPE tables, step positions, layer groups.
+
+    Saved in a cache file: the prompt ids and the layer groups (cross-layer state). Rebuilt from the model:
+    the RoPE tables. Per call, never saved: the step positions, the recorded prefill steps. Not kvweave's:
+    the tokenizer (``cache.set_prompt(ids, tokenizer)`` again after loading).
+    """
+
+    state_fields = ("prompt_ids", "groups")
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.prompt_ids: torch.Tensor | None = None  # [B, n] or [n] prompt token ids (DepthWeave's router)
+        self.tokenizer: Any = None
+        self.groups: dict[int, Any] = {}  # cross-layer methods' layer groups, by group index
+        self.rope_tables: dict[str, RopeTable] = {}  # by layer type
+        self.recorded: dict[int, Any] = {}  # kvweave.eval.prefill: each layer's recorded prefill step
+        self._step: tuple[Any, tuple[int, int, int], StepPositions] | None = None
+
+    def rope_table(self, layer_idx: int) -> RopeTable:
+        """The shared ``cos, sin`` table of ``layer_idx``'s layer type (one per type, grown on demand)."""
+        layer_type = self.cache.layer_types[layer_idx]
+        table = self.rope_tables.get(layer_type)
+        if table is None:
+            table = self.rope_tables[layer_type] = RopeTable(self.cache.rotary_for(layer_idx))
+        return table
+
+    def step_positions(
+        self, position_ids: torch.Tensor | None, first: int, q_len: int, rows: int, device: torch.device
+    ) -> StepPositions:
+        """Positions of the forward call that gives tokens ``first .. first+q_len-1`` (``position_ids: [1 or B,
+        q]`` or ``None``: the slots). Computed by the first layer, reused by the others: one host sync per call."""
+        key = (first, q_len, rows)
+        if self._step is not None and self._step[0] is position_ids and self._step[1] == key:
+            return self._step[2]
+        if position_ids is None:
+            positions = torch.arange(first, first + q_len, device=device).view(1, -1)
+        else:
+            positions = position_ids.to(device, torch.int64)
+        positions = positions.expand(rows, -1)
+        slots = torch.arange(first, first + q_len, device=device).view(1, -1)
+        lengths, aligned = torch.stack([positions.amax(-1) + 1, (positions == slots).all(-1).long()]).tolist()
+        step = StepPositions(positions, [int(n) for n in lengths], all(aligned))
+        self._step = (position_ids, key, step)
+        return step
 
 
 class KVCache(Cache):
@@ -223,20 +120,21 @@ class KVCache(Cache):
         )
         rotary = find_rotary(model)
         self.rotary = {t: Rotary(rotary, t) for t in set(self.layer_types)} if rotary is not None else {}
-        self.shared: dict[str, Any] = {}  # state shared between layers (cross-layer methods)
+        self.context = CacheContext(self)  # what the layers share (positions, RoPE tables, prompt, groups)
         self.replaying = False  # filled from a recorded prefill (kvweave.eval.prefill): outputs unused
         layers = default_layers(self.config)
         for idx, layer in enumerate(layers):
             if not getattr(layer, "is_sliding", False) and self.layer_types[idx] == "full_attention":
                 layers[idx] = method.make_layer(self, idx)
         super().__init__(layers=layers)
+        method.bind_layers(self)
 
     def set_prompt(self, token_ids: Any, tokenizer: Any = None) -> None:
         """Tell content-aware methods (DepthWeave's router) the prompt's token ids (``[n]`` or ``[B, n]``)
         and, optionally, the tokenizer that reads them. Methods that do not use them ignore both."""
-        self.shared["token_ids"] = torch.as_tensor(token_ids)
+        self.context.prompt_ids = torch.as_tensor(token_ids)
         if tokenizer is not None:
-            self.shared["tokenizer"] = tokenizer
+            self.context.tokenizer = tokenizer
 
     def rotary_for(self, layer_idx: int) -> Rotary:
         """The model's rotary embedding for ``layer_idx`` (error if the model has none)."""
@@ -247,6 +145,15 @@ class KVCache(Cache):
     def nbytes(self) -> int:
         """Bytes of all tensors this cache holds right now (each tensor storage counted once)."""
         return sum(layer_nbytes(layer) for layer in self.layers)
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step reads from this cache: what each layer attends over (``layer.read_bytes()``
+        where a method reads part of what it holds, e.g. DK-Cache's far tier), else everything held."""
+        total = 0
+        for layer in self.layers:
+            reader = getattr(layer, "read_bytes", None)
+            total += int(reader()) if callable(reader) else layer_nbytes(layer)
+        return total
 
     def full_kv_bytes(self, bits: int = 16) -> int:
         """Bytes a transformers ``DynamicCache`` would hold for the same tokens, at ``bits`` per element."""
@@ -335,7 +242,7 @@ def tensors_nbytes(tensors: typing.Iterable[torch.Tensor]) -> int:
 # ---------------------------------------------------------------------------------------- compressed layer
 
 
-class CompressedLayer(CacheLayerMixin):
+class CompressedLayer(CacheLayerMixin, Stateful):
     """Base for the layers of non-exact methods: the attention step is delegated to :meth:`attend`.
 
     The default store is exact entries ``keys, values: [B, H, T, D]`` with ``slots: [B, H, T]`` (int32);
@@ -346,6 +253,19 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    # what a cache file holds of every compressed layer; subclasses add theirs (``CompressedLayer.state_fields
+    # + (...)``). Built from the cache and its method, never saved: ``cache``, ``layer_idx``, ``method``.
+    state_fields: ClassVar[tuple[str, ...]] = (
+        "is_initialized",
+        "device",
+        "dtype",
+        "seen",
+        "rows",
+        "slots",
+        "pad_count",
+        "keys",
+        "values",
+    )
 
     def __init__(self, cache: KVCache, layer_idx: int) -> None:
         super().__init__()
@@ -372,7 +292,9 @@ class CompressedLayer(CacheLayerMixin):
         a device sync per layer per step)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[2] > 1 and not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
+        if key_states.shape[2] > 1 and not (
+            torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
+        ):
             raise ValueError(
                 f"{self.cache.method.name}: layer {self.layer_idx} received NaN/Inf keys or values for "
                 f"{key_states.shape[2]} new tokens, so the model's activations overflowed; a compressed cache "

@@ -1,4 +1,4 @@
-"""The ``kvweave`` command line: methods, models, generate, eval, demo, report, diagnose."""
+"""The ``kvweave`` command line: methods, models, generate, eval, bench, demo, report, diagnose, ppl."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def _methods(text: str) -> list[str]:
     specs = []
     for item in _split(text):
         name, _, options = item.partition(":")
-        choices = [[f"{key}={value}" for value in values.split("|")]
-                   for key, _, values in (pair.partition("=") for pair in options.split(",") if pair)]
+        choices = [
+            [f"{key}={value}" for value in values.split("|")]
+            for key, _, values in (pair.partition("=") for pair in options.split(",") if pair)
+        ]
         for combination in itertools.product(*choices):
             specs.append(name + (":" + ",".join(combination) if combination else ""))
     return specs
@@ -59,9 +61,14 @@ def _ints(text: str) -> list[int]:
 
 def cmd_methods(args: argparse.Namespace) -> int:
     import kvweave.methods  # noqa: F401
-    from kvweave.cache import METHODS
+    from kvweave.registry import METHODS
 
     infos = [cls.describe() for _, cls in sorted(METHODS.items())]
+    if args.markdown:
+        from kvweave.report.methods_table import methods_markdown
+
+        print(methods_markdown(), end="")
+        return 0
     if args.json:
         print(json.dumps(infos, indent=2, default=str))
         return 0
@@ -120,13 +127,17 @@ def _loaded_cache(path: str, model: Any, ids: Any) -> Any:
     cache, manifest = load_cache(path, model)
     cached = manifest.prompt_ids
     if not cached or len(cached) != 1:
-        raise ValueError(f"{path}: the saved cache records no single prompt to check against; save it with "
-                         "`kvweave generate --save-cache`")
+        raise ValueError(
+            f"{path}: the saved cache records no single prompt to check against; save it with "
+            "`kvweave generate --save-cache`"
+        )
     prefix = cached[0]
     given = ids[0].tolist()
     if len(given) <= len(prefix) or given[: len(prefix)] != prefix:
-        where = next((i for i, (a, b) in enumerate(zip(prefix, given, strict=False)) if a != b),
-                     min(len(prefix), len(given)))
+        where = next(
+            (i for i, (a, b) in enumerate(zip(prefix, given, strict=False)) if a != b),
+            min(len(prefix), len(given)),
+        )
         raise ValueError(
             f"the prompt ({len(given)} tokens) does not continue the {len(prefix)} cached tokens of {path} "
             f"(first difference at token {where}); give the cached prompt followed by new text, with --raw so "
@@ -140,7 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from kvweave._compat import cache_kwarg
-    from kvweave.cache import make_cache, parse_method
+    from kvweave.cache import make_cache
+    from kvweave.registry import parse_method
 
     if args.save_cache and args.load_cache:
         print("give --save-cache or --load-cache, not both", file=sys.stderr)
@@ -152,8 +164,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         saved_method = read_manifest(args.load_cache)["method"]
         if args.method and parse_method(args.method).spec() != saved_method:
-            print(f"--method {args.method} differs from the saved cache's method {saved_method}; drop --method "
-                  "(the saved one is used) or prefill again with --save-cache", file=sys.stderr)
+            print(
+                f"--method {args.method} differs from the saved cache's method {saved_method}; drop --method "
+                "(the saved one is used) or prefill again with --save-cache",
+                file=sys.stderr,
+            )
             return 2
     if args.prompt_file:
         prompt = Path(args.prompt_file).read_text()
@@ -288,23 +303,68 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvweave.eval import bench
+
+    config = bench.BenchConfig(
+        methods=_methods(args.methods),
+        contexts=_ints(args.context),
+        batches=_ints(args.batch),
+        model=None if args.shape else args.model,
+        shape=args.shape,
+        layers=args.layers,
+        device=args.device,
+        dtype=args.dtype,
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+    )
+    emit = bench.write_rows(args.out) if args.out else (lambda row: None)
+    rows: list[dict[str, Any]] = []
+
+    def show(row: dict[str, Any]) -> None:
+        emit(row)
+        rows.append(row)
+        print(bench.format_row(row), flush=True)
+
+    print(bench.HEADER)
+    bench.run_bench(config, show, progress=lambda text: print(f"  [{text}]", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    if args.out:
+        print(f"rows: {args.out}")
+    return 0
+
+
 def cmd_ppl(args: argparse.Namespace) -> int:
     from kvweave.eval import perplexity
 
     for spec in _methods(args.methods):
-        from kvweave.cache import parse_method
+        from kvweave.registry import parse_method
 
         parse_method(spec)
     if not 0 < args.target < args.window:  # before the model loads
-        raise ValueError(f"--target must be between 1 and --window - 1, got {args.target} for window {args.window}")
+        raise ValueError(
+            f"--target must be between 1 and --window - 1, got {args.target} for window {args.window}"
+        )
     model, tokenizer = _load(args)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         _write_command(out)
-    rows = perplexity.run_perplexity(model, tokenizer, args.model, _methods(args.methods), corpus=args.corpus,
-                                     window=args.window, target=args.target, windows=args.windows,
-                                     data_dir=args.data, out_dir=out, stepwise=args.stepwise)
+    rows = perplexity.run_perplexity(
+        model,
+        tokenizer,
+        args.model,
+        _methods(args.methods),
+        corpus=args.corpus,
+        window=args.window,
+        target=args.target,
+        windows=args.windows,
+        data_dir=args.data,
+        out_dir=out,
+        stepwise=args.stepwise,
+    )
     summary = perplexity.summarize_perplexity(rows)
     print(json.dumps(summary, indent=2) if args.json else perplexity.format_perplexity(summary))
     return 0
@@ -348,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="List every registered method, its capabilities and options.",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="the README's methods and budget tables")
     p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser(
@@ -388,7 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt", nargs="?", help="the prompt text")
     p.add_argument("--prompt-file", help="read the prompt from this file")
-    p.add_argument("--method", default=None, help="method spec (default: full; with --load-cache: the saved one)")
+    p.add_argument(
+        "--method", default=None, help="method spec (default: full; with --load-cache: the saved one)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument(
         "--save-cache",
@@ -421,12 +484,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--task",
         default="passkey",
-        help="comma-separated tasks (default passkey): " + ", ".join(task_names) + "; qa_quality and qa_loogle "
+        help="comma-separated tasks (default passkey): "
+        + ", ".join(task_names)
+        + "; qa_quality and qa_loogle "
         "need the data folder (--data)",
     )
     p.add_argument("--context", type=_ints, default=[2048], help="comma-separated context lengths in tokens")
-    p.add_argument("--methods", default="full",
-                   help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125")
+    p.add_argument(
+        "--methods",
+        default="full",
+        help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125",
+    )
     p.add_argument("--trials", type=int, default=3, help="trials per (task, length); depths spread 10-90%%")
     p.add_argument("--question-aware", action="store_true", help="put the question before compression")
     p.add_argument(
@@ -453,10 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "summary": [...]}')
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("diagnose", help="DK-Cache's degradation signals vs context length",
-                       description="Measure the three signals DK-Cache argues from on a real model: key "
-                       "similarity/covariance vs token distance, next-token entropy vs context length, and RoPE "
-                       "phase range vs the trained range. Writes JSON (plot-ready series).")
+    p = sub.add_parser(
+        "diagnose",
+        help="DK-Cache's degradation signals vs context length",
+        description="Measure the three signals DK-Cache argues from on a real model: key "
+        "similarity/covariance vs token distance, next-token entropy vs context length, and RoPE "
+        "phase range vs the trained range. Writes JSON (plot-ready series).",
+    )
     model_args(p)
     p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048, 4096], help="context lengths in tokens")
     p.add_argument("--corpus", default="pydoc", help="text: pydoc (built in), code, or a --data corpus")
@@ -465,14 +536,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON here instead of stdout")
     p.set_defaults(func=cmd_diagnose)
 
-    p = sub.add_parser("ppl", help="perplexity of long text with a compressed cache", epilog=EPILOG,
-                       description="Per window of --window tokens, prefill (and compress) all but the last "
-                       "--target tokens, then score those by teacher forcing through the same cache.")
+    p = sub.add_parser(
+        "ppl",
+        help="perplexity of long text with a compressed cache",
+        epilog=EPILOG,
+        description="Per window of --window tokens, prefill (and compress) all but the last "
+        "--target tokens, then score those by teacher forcing through the same cache.",
+    )
     model_args(p)
-    p.add_argument("--methods", default="full",
-                   help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125")
-    p.add_argument("--corpus", default="wikitext2_valid",
-                   help="wikitext2_valid, wikitext2_test, tinyshakespeare (need --data/KVWEAVE_DATA), pydoc, code")
+    p.add_argument(
+        "--methods",
+        default="full",
+        help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125",
+    )
+    p.add_argument(
+        "--corpus",
+        default="wikitext2_valid",
+        help="wikitext2_valid, wikitext2_test, tinyshakespeare (need --data/KVWEAVE_DATA), pydoc, code",
+    )
     p.add_argument("--window", type=int, default=4096, help="tokens per window")
     p.add_argument("--target", type=int, default=512, help="scored tokens at the end of each window")
     p.add_argument("--windows", type=int, default=4, help="number of windows")
@@ -503,6 +584,35 @@ def build_parser() -> argparse.ArgumentParser:
         "context (accuracy, n, compression, bytes held, prefill s, decode tok/s, speed vs full)",
     )
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser(
+        "bench",
+        help="decode speed and memory of methods against full, with the bandwidth bound",
+        epilog=EPILOG,
+        description="Per context length and batch size: prefill every method on the same prompt, then decode "
+        "in interleaved rounds (full first). Rows: ms/token (median of rounds), tok/s, speedup vs full in the "
+        "same run beside the bound (W + KV_full) / (W + KV_read) from the measured copy bandwidth, prefill "
+        "and compression overhead, KV bytes held and read per step, peak memory. --shape uses random "
+        "weights of a real architecture (labelled random:NAME).",
+    )
+    p.add_argument("--methods", default="full,quant,dkcache,depthweave", help="comma-separated method specs")
+    p.add_argument("--context", default="4k", help="prompt lengths, e.g. 4k,16k,32k")
+    p.add_argument("--batch", default="1", help="batch sizes, e.g. 1,4")
+    p.add_argument(
+        "--model", default="qwen2.5-coder-0.5b", help="registry name or local folder (real weights)"
+    )
+    p.add_argument("--shape", choices=["qwen2.5-0.5b", "llama-3.1-8b"], help="random weights of this shape")
+    p.add_argument("--layers", type=int, help="with --shape: this many decoder layers")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype"
+    )
+    p.add_argument("--steps", type=int, default=8, help="decode steps per round (default 8)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per method first (default 2)")
+    p.add_argument("--out", help="JSONL file rows are appended to as each point finishes")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
         "demo",

@@ -6,7 +6,8 @@ seen. It is an ordinary ``kvweave eval`` run (rows in a run folder, resumable), 
 and ``report.html`` + ``summary.md`` + ``summary.csv`` written into the run folder.
 
 Methods come from the registry at run time: the baselines and kvweave's own methods are asked to keep a
-quarter of the prompt through their fraction-kept option (``ratio`` or ``target_ratio``), ``quant`` runs
+quarter of the prompt through their budget option (``Method.budget_options``: a quarter held, 4x targeted,
+or for DK-Cache a quarter attended), ``quant`` runs
 at 4 bits, and a method that is not registered is skipped with a note.
 """
 
@@ -39,16 +40,8 @@ CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 """Methods the demo tries, in table order, with the options that put them near 4x."""
 
-RATIO_OPTIONS = ("ratio", "target_ratio", "keep_ratio")
-"""Option names a method may use for 'how much to keep', tried in this order."""
-
-
-def _ratio_values(help_text: str) -> tuple[float, ...]:
-    """Values to try for a ratio option: a fraction kept (0.25) or a compression factor (4)."""
-    text = help_text.lower()
-    if "fraction" in text or "kept" in text or "keep" in text:
-        return (KEEP, 1 / KEEP)
-    return (1 / KEEP, KEEP)
+BUDGET_VALUES = {"held fraction": KEEP, "compression": 1 / KEEP, "attended fraction": KEEP}
+"""How a wanted ``ratio`` (a quarter of the prompt) maps to each kind of budget option (``Method.budget_options``)."""
 
 
 def _spec(name: str, options: dict[str, Any]) -> str:
@@ -60,32 +53,35 @@ def _spec(name: str, options: dict[str, Any]) -> str:
 def method_spec(name: str, wanted: dict[str, Any]) -> tuple[str | None, str]:
     """``(spec, note)`` for one candidate: ``spec`` is ``None`` when the method is not registered.
 
-    A wanted ``ratio`` is mapped to the first option of :data:`RATIO_OPTIONS` the method has, as a fraction
-    kept or a compression factor depending on what the option's help says (and what it accepts).
+    A wanted ``ratio`` goes to the method's first budget option (``Method.budget_options``) of a kind in
+    :data:`BUDGET_VALUES`: a quarter held, 4x targeted, or a quarter attended.
     """
     import kvweave.methods  # noqa: F401  (registers the built-in methods)
-    from kvweave.cache import METHODS, parse_method
+    from kvweave.registry import METHODS, parse_method
 
     cls = METHODS.get(name)
     if cls is None:
         return None, f"{name}: not registered, skipped"
-    options = {o["name"]: o for o in cls.describe()["options"]}
+    options = {o["name"] for o in cls.describe()["options"]}
     fixed = {k: v for k, v in wanted.items() if k != "ratio" and k in options}
     if "ratio" not in wanted:
         return _spec(name, fixed), ""
-    option_name = next((o for o in RATIO_OPTIONS if o in options), None)
-    if option_name is None:
+    chosen = next(
+        ((option, kind) for option, kind in cls.budget_options.items() if kind in BUDGET_VALUES), None
+    )
+    if chosen is None:
         return _spec(
             name, fixed
-        ), f"{name}: has no ratio option ({', '.join(RATIO_OPTIONS)}); its defaults are used"
-    for value in _ratio_values(options[option_name]["help"]):
-        spec = _spec(name, {**fixed, option_name: value})
-        try:
-            parse_method(spec)
-        except ValueError:
-            continue
-        return spec, ""
-    return _spec(name, fixed), f"{name}: {option_name} accepts neither {KEEP} nor {1 / KEEP:g}; defaults used"
+        ), f"{name}: has no budget option of a kind {sorted(BUDGET_VALUES)}; defaults used"
+    option_name, kind = chosen
+    spec = _spec(name, {**fixed, option_name: BUDGET_VALUES[kind]})
+    try:
+        parse_method(spec)
+    except ValueError as err:
+        return _spec(
+            name, fixed
+        ), f"{name}: {option_name}={BUDGET_VALUES[kind]:g} is refused ({err}); defaults used"
+    return spec, ""
 
 
 def default_methods() -> tuple[list[str], list[str]]:

@@ -61,8 +61,9 @@ def _pair_stats(keys: torch.Tensor, distance: int, samples: int) -> tuple[float,
     return cosine, covariance
 
 
-def key_similarity_by_distance(model: Any, input_ids: torch.Tensor, distances: Sequence[int] | None = None,
-                               samples: int = 1024) -> dict[str, Any]:
+def key_similarity_by_distance(
+    model: Any, input_ids: torch.Tensor, distances: Sequence[int] | None = None, samples: int = 1024
+) -> dict[str, Any]:
     """Key cosine similarity / covariance against token distance, per layer and averaged over layers.
 
     ``input_ids: [1, T]``. For each distance ``d`` and each full-attention layer: the mean over sampled
@@ -74,7 +75,11 @@ def key_similarity_by_distance(model: Any, input_ids: torch.Tensor, distances: S
     distances = [d for d in (distances or _default_distances(length)) if 0 < d < length]
     keys = layer_keys(model, input_ids[:1])
     measures: dict[str, list[list[float]]] = {
-        "cosine_post_rope": [], "cosine_pre_rope": [], "cosine_pre_rope_demeaned": [], "covariance_pre_rope": []}
+        "cosine_post_rope": [],
+        "cosine_pre_rope": [],
+        "cosine_pre_rope_demeaned": [],
+        "covariance_pre_rope": [],
+    }
     for post, pre in keys.values():
         demeaned = pre - pre.mean(1, keepdim=True)
         rows: dict[str, list[float]] = {name: [] for name in measures}
@@ -93,8 +98,9 @@ def key_similarity_by_distance(model: Any, input_ids: torch.Tensor, distances: S
     return result
 
 
-def entropy_by_length(model: Any, input_ids: torch.Tensor, lengths: Sequence[int], window: int = 32,
-                      method: str | None = None) -> dict[str, Any]:
+def entropy_by_length(
+    model: Any, input_ids: torch.Tensor, lengths: Sequence[int], window: int = 32, method: str | None = None
+) -> dict[str, Any]:
     """Mean next-token entropy (nats) of the ``window`` positions before each context length.
 
     ``input_ids: [1, T]``, one forward pass over ``max(lengths)`` tokens, logits only at the measured positions.
@@ -117,20 +123,33 @@ def entropy_by_length(model: Any, input_ids: torch.Tensor, lengths: Sequence[int
     where = {int(p): i for i, p in enumerate(keep.tolist())}
     per_position = entropy(logits)
     means = [per_position[[where[p] for p in span]].mean().item() for span in spans]
-    return {"lengths": lengths, "window": window, "method": method or "plain model", "entropy": means,
-            "trained_length": _trained_length(model)}
+    return {
+        "lengths": lengths,
+        "window": window,
+        "method": method or "plain model",
+        "entropy": means,
+        "trained_length": _trained_length(model),
+    }
 
 
 def _inverse_frequencies(model: Any) -> dict[str, torch.Tensor]:
     rotary = find_rotary(model)
     if rotary is None:
         return {}
-    found = {name: buf for name, buf in rotary.named_buffers() if name.endswith("inv_freq") and "original" not in name}
-    return {name.removesuffix("inv_freq").rstrip("_") or "default": buf.float().cpu() for name, buf in found.items()}
+    found = {
+        name: buf
+        for name, buf in rotary.named_buffers()
+        if name.endswith("inv_freq") and "original" not in name
+    }
+    return {
+        name.removesuffix("inv_freq").rstrip("_") or "default": buf.float().cpu()
+        for name, buf in found.items()
+    }
 
 
-def rope_phase_range(model: Any, lengths: Sequence[int], trained_length: int | None = None,
-                     window: int | None = None) -> dict[str, Any]:
+def rope_phase_range(
+    model: Any, lengths: Sequence[int], trained_length: int | None = None, window: int | None = None
+) -> dict[str, Any]:
     """Largest RoPE angle per frequency at each length vs at the trained length.
 
     A frequency ``θ`` whose angle never completes a turn inside the trained range (``(L_train − 1)·θ < 2π``)
@@ -142,8 +161,12 @@ def rope_phase_range(model: Any, lengths: Sequence[int], trained_length: int | N
 
     trained = trained_length or _trained_length(model)
     window = window if window is not None else default_bounds(trained)[0]
-    result: dict[str, Any] = {"trained_length": trained, "lengths": [int(n) for n in lengths], "window": window,
-                              "rope": {}}
+    result: dict[str, Any] = {
+        "trained_length": trained,
+        "lengths": [int(n) for n in lengths],
+        "window": window,
+        "rope": {},
+    }
     for name, inv_freq in _inverse_frequencies(model).items():
         trained_angle = (trained - 1) * inv_freq
         unseen_frequencies = trained_angle < 2 * math.pi
@@ -153,20 +176,31 @@ def rope_phase_range(model: Any, lengths: Sequence[int], trained_length: int | N
             group = group_size(length, window, trained)
             remapped = (length - 1) // group + window - window // group if group > 1 else length - 1
             unseen = unseen_frequencies & (angle > trained_angle)
-            rows.append({"length": int(length), "max_angle": angle.tolist(),
-                         "angle_ratio_to_trained": (length - 1) / (trained - 1),
-                         "unseen_frequencies": int(unseen.sum()),
-                         "unseen_fraction": float(unseen.float().mean()),
-                         "compensated_group": group, "compensated_max_distance": int(remapped),
-                         "compensated_unseen_frequencies": int((unseen_frequencies
-                                                                & (remapped * inv_freq > trained_angle)).sum())})
-        result["rope"][name] = {"theta": inv_freq.tolist(), "trained_max_angle": trained_angle.tolist(),
-                                "by_length": rows}
+            rows.append(
+                {
+                    "length": int(length),
+                    "max_angle": angle.tolist(),
+                    "angle_ratio_to_trained": (length - 1) / (trained - 1),
+                    "unseen_frequencies": int(unseen.sum()),
+                    "unseen_fraction": float(unseen.float().mean()),
+                    "compensated_group": group,
+                    "compensated_max_distance": int(remapped),
+                    "compensated_unseen_frequencies": int(
+                        (unseen_frequencies & (remapped * inv_freq > trained_angle)).sum()
+                    ),
+                }
+            )
+        result["rope"][name] = {
+            "theta": inv_freq.tolist(),
+            "trained_max_angle": trained_angle.tolist(),
+            "by_length": rows,
+        }
     return result
 
 
-def run_diagnostics(model: Any, tokenizer: Any, text: str, lengths: Sequence[int],
-                    methods: Sequence[str] = ()) -> dict[str, Any]:
+def run_diagnostics(
+    model: Any, tokenizer: Any, text: str, lengths: Sequence[int], methods: Sequence[str] = ()
+) -> dict[str, Any]:
     """All three measurements on ``text`` (repeated to reach ``max(lengths)`` tokens); JSON-able.
 
     ``methods``: kvweave cache specs to repeat the entropy measurement with (e.g. ``["dkcache"]``).

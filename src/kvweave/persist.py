@@ -8,13 +8,15 @@ A saved cache is a folder of two files, and never a pickle:
   (when given), the SHA-256 of the tensor file, and the layers' state as a tree of plain JSON values whose
   tensors are named entries of the tensor file.
 
-The state tree is taken generically from the layer objects: numbers, strings, lists, tuples, dicts, devices,
-dtypes, tensors, and objects of kvweave's own classes (and of transformers' cache layers), rebuilt on load
-with ``cls.__new__`` and their saved attributes (classes from any other module are refused on both sides).
-Objects shared between layers stay shared. What is built from the model (its rotary embedding, RoPE tables) is
-not saved: a fresh cache for the same method and model provides it. Nor is a tokenizer handed to
-``cache.set_prompt`` (DepthWeave's router reads it): call ``cache.set_prompt(ids, tokenizer)`` on the loaded cache
-to give it again.
+The state tree (format version 2) is explicit: each kvweave object writes exactly the fields its class lists
+(:class:`kvweave.state.Stateful`) under its class's saved-state name, never its module path or its whole
+attribute graph; values are numbers, strings, lists, tuples, dicts, devices, dtypes, tensors and other such
+objects (transformers' own cache layers, e.g. sliding windows, save their attributes). Loading builds a fresh
+cache for the same method and model and writes the saved state into its layers and its context; nested
+objects are rebuilt from their saved fields. Objects shared between layers stay shared. What is built from
+the model (its rotary embedding, RoPE tables) is not saved: the fresh cache provides it. Nor is a tokenizer
+handed to ``cache.set_prompt`` (DepthWeave's router reads it): call ``cache.set_prompt(ids, tokenizer)`` on the
+loaded cache to give it again. Version-1 files (the attribute graph) are refused with how to regenerate them.
 
 Loading refuses, with the reason and the way out: a folder without a manifest, a manifest of another format
 or version, a tensor file whose checksum does not match (corrupt or edited), a model whose fingerprint differs
@@ -31,9 +33,7 @@ from the one the cache was made with, a method kvweave does not know.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
-import importlib
 import json
 import math
 import os
@@ -43,13 +43,23 @@ from typing import Any
 
 import torch
 
+from kvweave.state import STATEFUL, Stateful
+
 FORMAT = "kvweave-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: explicit per-class state (kvweave.state.Stateful); 1: the attribute graph (refused)
 MANIFEST = "manifest.json"
 TENSORS = "kv.safetensors"
-_ALLOWED_MODULES = ("kvweave.", "transformers.cache_utils")
-_FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                       "hidden_size", "vocab_size", "max_position_embeddings")
+_TRANSFORMERS_LAYERS = "transformers.cache_utils"
+_FINGERPRINT_FIELDS = (
+    "model_type",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 class CacheFileError(ValueError):
@@ -90,22 +100,24 @@ def model_fingerprint(model: Any) -> dict[str, Any]:
     for weight in chosen:
         digest.update(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     found["weights_sha256"] = digest.hexdigest()[:16]
-    found["dtype"] = str(chosen[0].dtype).removeprefix("torch.") if chosen else None  # the cache's dtype follows
+    found["dtype"] = (
+        str(chosen[0].dtype).removeprefix("torch.") if chosen else None
+    )  # the cache's dtype follows
     return found
 
 
 # ------------------------------------------------------------------------------------------- state tree
 
 
-def _allowed(cls: type) -> bool:
-    return cls.__module__.startswith(_ALLOWED_MODULES)
+def _rebuilt_node(obj: Any) -> dict[str, Any] | None:
+    """Objects made from the model, not state: saved as a reference that a fresh cache resolves."""
+    from kvweave.ops.rope import RopeTable, Rotary
 
-
-def _rebuilt(obj: Any) -> bool:
-    """Objects made from the model (not state): a fresh cache provides them."""
-    if isinstance(obj, torch.nn.Module) or getattr(type(obj), "rebuilt_on_load", False):
-        return True
-    return type(obj).__name__.endswith(("Tokenizer", "TokenizerFast")) or hasattr(obj, "convert_ids_to_tokens")
+    if isinstance(obj, Rotary):
+        return {"__rotary__": obj.layer_type}
+    if isinstance(obj, RopeTable):
+        return {"__rope_table__": obj.rotary.layer_type}
+    return None
 
 
 class _Encoder:
@@ -114,10 +126,28 @@ class _Encoder:
         self.tensors: dict[str, torch.Tensor] = {}
         self.tensor_names: dict[tuple[int, str], str] = {}
         self.object_ids: dict[int, int] = {}
+        self.layer_index = {id(layer): i for i, layer in enumerate(cache.layers)}
         self.keep: list[Any] = []  # keeps encoded objects alive so their ids stay unique
 
+    def layer(self, index: int) -> Any:
+        """A top-level layer: its explicit state (kvweave's layers) or its attributes (transformers' own)."""
+        layer = self.cache.layers[index]
+        path = f"layers[{index}]"
+        if isinstance(layer, Stateful):
+            return self._object(layer, path)
+        if type(layer).__module__.startswith(_TRANSFORMERS_LAYERS):
+            return {
+                "__layer__": type(layer).__qualname__,
+                "state": {key: self.encode(value, f"{path}.{key}") for key, value in vars(layer).items()},
+            }
+        raise TypeError(
+            f"kvweave.save_cache: layer {index} is a {type(layer).__module__}.{type(layer).__qualname__}, "
+            "which kvweave cannot save"
+        )
+
     def encode(self, obj: Any, path: str) -> Any:
-        from kvweave.cache import KVCache, Method
+        from kvweave.cache import CacheContext, KVCache
+        from kvweave.registry import Method
 
         if obj is None or isinstance(obj, (bool, int, str)):
             return obj
@@ -129,8 +159,6 @@ class _Encoder:
             return {"__device__": str(obj)}
         if isinstance(obj, torch.dtype):
             return {"__dtype__": str(obj).removeprefix("torch.")}
-        if isinstance(obj, enum.Enum) and _allowed(type(obj)):
-            return {"__enum__": _qualified(type(obj)), "name": obj.name}
         if isinstance(obj, list):
             return [self.encode(item, f"{path}[{i}]") for i, item in enumerate(obj)]
         if isinstance(obj, tuple):
@@ -141,30 +169,47 @@ class _Encoder:
         if isinstance(obj, dict):
             if all(isinstance(key, str) for key in obj):
                 return {"__dict__": {key: self.encode(value, f"{path}.{key}") for key, value in obj.items()}}
-            return {"__pairs__": [[self.encode(key, f"{path}.key"), self.encode(value, f"{path}[{key!r}]")]
-                                  for key, value in obj.items()]}
+            return {
+                "__pairs__": [
+                    [self.encode(key, f"{path}.key"), self.encode(value, f"{path}[{key!r}]")]
+                    for key, value in obj.items()
+                ]
+            }
         if obj is self.cache or isinstance(obj, KVCache):
             return {"__cache__": True}
+        if isinstance(obj, CacheContext):
+            return {"__context__": True}
         if isinstance(obj, Method):
             return {"__method__": obj.spec()}
-        if _rebuilt(obj):
-            return {"__rebuilt__": path}
-        if _allowed(type(obj)) and hasattr(obj, "__dict__"):
-            known = self.object_ids.get(id(obj))
-            if known is not None:
-                return {"__ref__": known}
-            self.object_ids[id(obj)] = len(self.object_ids)
-            self.keep.append(obj)
-            state = {key: self.encode(value, f"{path}.{key}") for key, value in vars(obj).items()}
-            return {"__object__": _qualified(type(obj)), "id": self.object_ids[id(obj)], "state": state}
-        raise TypeError(f"kvweave.save_cache: cannot save a {type(obj).__module__}.{type(obj).__qualname__} "
-                        f"(at {path}); only tensors, plain values and kvweave's own objects are saved")
+        if id(obj) in self.layer_index:
+            return {"__layer_ref__": self.layer_index[id(obj)]}
+        rebuilt = _rebuilt_node(obj)
+        if rebuilt is not None:
+            return rebuilt
+        if isinstance(obj, Stateful):
+            return self._object(obj, path)
+        raise TypeError(
+            f"kvweave.save_cache: cannot save a {type(obj).__module__}.{type(obj).__qualname__} "
+            f"(at {path}); only tensors, plain values and kvweave's Stateful objects are saved"
+        )
+
+    def _object(self, obj: Stateful, path: str) -> dict[str, Any]:
+        known = self.object_ids.get(id(obj))
+        if known is not None:
+            return {"__ref__": known}
+        self.object_ids[id(obj)] = len(self.object_ids)
+        self.keep.append(obj)
+        state = {key: self.encode(value, f"{path}.{key}") for key, value in obj.get_state().items()}
+        return {"__object__": type(obj).state_name, "id": self.object_ids[id(obj)], "state": state}
 
     def _tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
         """A tensor as a view of a saved storage: each storage is saved once, whole (bytes), so tensors that share
         one (views, slack capacity of growing buffers) share it again after loading, and bytes held match."""
-        node: dict[str, Any] = {"dtype": str(tensor.dtype).removeprefix("torch."), "size": list(tensor.shape),
-                                "device": str(tensor.device)}
+        node: dict[str, Any] = {
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "size": list(tensor.shape),
+            "device": str(tensor.device),
+        }
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
             return {"__tensor__": None, **node}
@@ -176,35 +221,51 @@ class _Encoder:
             whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
             self.tensors[name] = whole.detach().to("cpu").clone()
             self.keep.append(tensor)
-        return {"__tensor__": name, "offset": tensor.storage_offset(), "stride": list(tensor.stride()), **node}
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _resolve(qualified: str) -> type:
-    module, _, name = qualified.partition(":")
-    if not module.startswith(_ALLOWED_MODULES):
-        raise CacheFileError(f"saved cache names class {qualified!r}, which kvweave does not load (only its own "
-                             "classes and transformers' cache layers); the file was not written by kvweave")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as err:
-        raise CacheFileError(f"saved cache needs class {qualified!r}, which this kvweave does not have ({err}); "
-                             "load it with the kvweave version that saved it, or prefill again") from err
-    if not isinstance(obj, type):
-        raise CacheFileError(f"saved cache names {qualified!r}, which is not a class")
-    return obj
+        return {
+            "__tensor__": name,
+            "offset": tensor.storage_offset(),
+            "stride": list(tensor.stride()),
+            **node,
+        }
 
 
 class _Decoder:
-    def __init__(self, tensors: dict[str, torch.Tensor], cache: Any, fresh: Any, device: torch.device) -> None:
-        self.tensors, self.cache, self.fresh, self.device = tensors, cache, fresh, device
+    """Reads a state tree back into a freshly built cache: its layers and context receive their saved state."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], cache: Any, device: torch.device) -> None:
+        self.tensors, self.cache, self.device = tensors, cache, device
         self.objects: dict[int, Any] = {}
         self.storages: dict[tuple[str, str], torch.Tensor] = {}
+
+    def layer(self, index: int, node: Any) -> None:
+        """Restore layer ``index`` of the fresh cache from its saved node."""
+        target = self.cache.layers[index]
+        if isinstance(node, dict) and "__object__" in node:
+            if not isinstance(target, Stateful) or node["__object__"] != type(target).state_name:
+                raise CacheFileError(
+                    f"layer {index} was saved as {node['__object__']}, the method now builds "
+                    f"{type(target).__name__}; save the cache again"
+                )
+            self._restore(target, node)
+        elif isinstance(node, dict) and "__layer__" in node:
+            if node["__layer__"] != type(target).__qualname__:
+                raise CacheFileError(
+                    f"layer {index} was saved as {node['__layer__']}, the method now builds "
+                    f"{type(target).__name__}; save the cache again"
+                )
+            for key, value in node["state"].items():
+                setattr(target, key, self.decode(value))
+        else:
+            raise CacheFileError(f"layer {index}: unreadable saved entry {str(node)[:80]}")
+
+    def _restore(self, target: Stateful, node: dict[str, Any]) -> Stateful:
+        self.objects[node["id"]] = target
+        state = {key: self.decode(value) for key, value in node["state"].items()}
+        try:
+            target.set_state(state)
+        except ValueError as err:
+            raise CacheFileError(f"{err}; save the cache again with this kvweave") from err
+        return target
 
     def decode(self, node: Any) -> Any:
         if node is None or isinstance(node, (bool, int, float, str)):
@@ -225,8 +286,6 @@ class _Decoder:
             if not isinstance(dtype, torch.dtype):
                 raise CacheFileError(f"saved cache names an unknown dtype {node['__dtype__']!r}")
             return dtype
-        if "__enum__" in node:
-            return _resolve(node["__enum__"])[node["name"]]  # type: ignore[index]
         if "__tuple__" in node:
             return tuple(self.decode(item) for item in node["__tuple__"])
         if "__dict__" in node:
@@ -238,22 +297,45 @@ class _Decoder:
             return {self.decode(key): self.decode(value) for key, value in node["__pairs__"]}
         if "__cache__" in node:
             return self.cache
+        if "__context__" in node:
+            return self.cache.context
         if "__method__" in node:
             return self.cache.method
-        if "__rebuilt__" in node:
-            return self._fresh(node["__rebuilt__"])
+        if "__layer_ref__" in node:
+            return self.cache.layers[int(node["__layer_ref__"])]
+        if "__rotary__" in node:
+            return self._rotary(node["__rotary__"])
+        if "__rope_table__" in node:
+            return self._rope_table(node["__rope_table__"])
         if "__ref__" in node:
             if node["__ref__"] not in self.objects:
                 raise CacheFileError("saved cache state refers to an object before defining it")
             return self.objects[node["__ref__"]]
         if "__object__" in node:
-            cls = _resolve(node["__object__"])
-            obj: Any = object.__new__(cls)
-            self.objects[node["id"]] = obj
-            for key, value in node["state"].items():
-                object.__setattr__(obj, key, self.decode(value))
-            return obj
+            cls = STATEFUL.get(str(node["__object__"]))
+            if cls is None:
+                raise CacheFileError(
+                    f"saved cache holds a {node['__object__']!r}, which this kvweave does not have; "
+                    "load it with the kvweave version that saved it, or prefill again"
+                )
+            return self._restore(object.__new__(cls), node)
         raise CacheFileError(f"saved cache state holds an unknown entry: {sorted(node)}")
+
+    def _rotary(self, layer_type: str | None) -> Any:
+        rotary = self.cache.rotary.get(layer_type)
+        if rotary is None:
+            raise CacheFileError(
+                f"the saved cache uses RoPE of layer type {layer_type!r}, which this model lacks"
+            )
+        return rotary
+
+    def _rope_table(self, layer_type: str | None) -> Any:
+        from kvweave.ops.rope import RopeTable
+
+        tables = self.cache.context.rope_tables
+        if layer_type not in tables:
+            tables[layer_type] = RopeTable(self._rotary(layer_type))
+        return tables[layer_type]
 
     def _tensor(self, node: dict[str, Any]) -> torch.Tensor:
         dtype = getattr(torch, str(node.get("dtype")), None)
@@ -268,35 +350,42 @@ class _Decoder:
         if whole is None:
             saved = self.tensors.get(name)
             if saved is None:
-                raise CacheFileError(f"saved cache state names tensor {name!r}, which the tensor file lacks; the "
-                                     "folder is incomplete")
+                raise CacheFileError(
+                    f"saved cache state names tensor {name!r}, which the tensor file lacks; the "
+                    "folder is incomplete"
+                )
             whole = self.storages[key] = saved.to(device)
         storage = whole.untyped_storage()
         size, stride, offset = node["size"], node["stride"], int(node["offset"])
-        extent = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1 if all(size) else 0
+        extent = (
+            offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1 if all(size) else 0
+        )
         if extent * dtype.itemsize > storage.nbytes():
-            raise CacheFileError(f"saved tensor {name!r} is smaller than a view of it needs; the file is corrupt")
+            raise CacheFileError(
+                f"saved tensor {name!r} is smaller than a view of it needs; the file is corrupt"
+            )
         return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
 
-    def _fresh(self, path: str) -> Any:
-        """The object at ``path`` (``layers[3].table``, ``shared.dkcache.rope.x``) of the newly built cache
-        (read before its layers are replaced by the restored ones)."""
-        obj: Any = self.fresh
-        head, _, rest = path.partition(".")
-        if head.startswith("layers["):
-            obj = obj.layers[int(head[len("layers["):-1])]
-        elif head == "shared":
-            for key in sorted(obj.shared, key=len, reverse=True):  # shared keys may contain dots
-                if rest == key or rest.startswith(key + "."):
-                    obj, rest = obj.shared[key], rest[len(key) + 1:]
-                    break
-            else:
-                raise CacheFileError(f"a fresh cache has no shared {rest!r} to rebuild; the method changed")
-        for part in (p for p in rest.split(".") if p):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                raise CacheFileError(f"a fresh cache has no {path!r} to rebuild; the method's layers changed")
-        return obj
+
+def state_schema(manifest: dict[str, Any]) -> dict[str, list[str]]:
+    """``{state_name: [saved fields]}`` of every object in a manifest's state tree: the cache file's schema
+    (pinned by a test so that a refactor cannot change the format silently)."""
+    schema: dict[str, list[str]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            if "__object__" in node:
+                schema[str(node["__object__"])] = sorted(node["state"])
+            elif "__layer__" in node:
+                schema["transformers." + str(node["__layer__"])] = sorted(node["state"])
+            for value in node.values():
+                walk(value)
+
+    walk(manifest["state"])
+    return dict(sorted(schema.items()))
 
 
 # ----------------------------------------------------------------------------------------------- save
@@ -313,16 +402,17 @@ def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids:
     from kvweave.cache import KVCache
 
     if not isinstance(cache, KVCache):
-        raise TypeError(f"kvweave.save_cache saves a kvweave.KVCache (from kvweave.make_cache), not a "
-                        f"{type(cache).__name__}")
+        raise TypeError(
+            f"kvweave.save_cache saves a kvweave.KVCache (from kvweave.make_cache), not a "
+            f"{type(cache).__name__}"
+        )
     tokens = max((layer.get_seq_length() for layer in cache.layers), default=0)
     if tokens == 0:
         raise ValueError("kvweave.save_cache: the cache is empty; run the prompt through the model first")
     encoder = _Encoder(cache)
     state = {
-        "layers": [encoder.encode(layer, f"layers[{i}]") for i, layer in enumerate(cache.layers)],
-        "shared": {key: encoder.encode(value, f"shared.{key}") for key, value in cache.shared.items()
-                   if key != "tokenizer"},  # made outside the cache: cache.set_prompt(ids, tokenizer) again
+        "layers": [encoder.layer(i) for i in range(len(cache.layers))],
+        "context": encoder.encode(cache.context.get_state(), "context"),  # the tokenizer is not saved
     }
     ids = None
     if prompt_ids is not None:
@@ -337,9 +427,14 @@ def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids:
         save_file(encoder.tensors, str(partial), metadata={"format": FORMAT})
         digest = _sha256(partial)
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "kvweave": __version__,
-            "method": cache.method.spec(), "tokens": tokens, "rows": cache.batch_rows(),
-            "model": model_fingerprint(model), "prompt_ids": ids,
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kvweave": __version__,
+            "method": cache.method.spec(),
+            "tokens": tokens,
+            "rows": cache.batch_rows(),
+            "model": model_fingerprint(model),
+            "prompt_ids": ids,
             "tensors": {"file": TENSORS, "sha256": digest, "count": len(encoder.tensors)},
             "state": state,
         }
@@ -370,23 +465,40 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     folder = Path(path)
     file = folder / MANIFEST
     if not folder.is_dir():
-        raise CacheFileError(f"{folder}: no such folder; save a cache there first (kvweave.save_cache or "
-                             "`kvweave generate --save-cache`)")
+        raise CacheFileError(
+            f"{folder}: no such folder; save a cache there first (kvweave.save_cache or "
+            "`kvweave generate --save-cache`)"
+        )
     if not file.is_file():
-        raise CacheFileError(f"{folder}: no {MANIFEST}; this is not a saved kvweave cache (or its save was "
-                             "interrupted): save it again")
+        raise CacheFileError(
+            f"{folder}: no {MANIFEST}; this is not a saved kvweave cache (or its save was "
+            "interrupted): save it again"
+        )
     try:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CacheFileError(f"{file}: unreadable ({err}); the saved cache is corrupt: save it again") from err
+        raise CacheFileError(
+            f"{file}: unreadable ({err}); the saved cache is corrupt: save it again"
+        ) from err
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CacheFileError(f"{file}: not a kvweave cache manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CacheFileError(f"{file}: cache format version {manifest.get('format_version')}, this kvweave reads "
-                             f"version {FORMAT_VERSION}; save the cache again with this kvweave")
+    version = manifest.get("format_version")
+    if version == 1:
+        raise CacheFileError(
+            f"{file}: cache format version 1 (kvweave before its explicit saved state) cannot be "
+            f"read by this kvweave (version {FORMAT_VERSION}); regenerate it: prefill the prompt "
+            "again and save it (kvweave.save_cache, or `kvweave generate --save-cache DIR`)"
+        )
+    if version != FORMAT_VERSION:
+        raise CacheFileError(
+            f"{file}: cache format version {version}, this kvweave reads version "
+            f"{FORMAT_VERSION}; save the cache again with this kvweave"
+        )
     for key in ("method", "tokens", "model", "tensors", "state"):
         if key not in manifest:
-            raise CacheFileError(f"{file}: the manifest lacks {key!r}; the saved cache is corrupt: save it again")
+            raise CacheFileError(
+                f"{file}: the manifest lacks {key!r}; the saved cache is corrupt: save it again"
+            )
     return manifest
 
 
@@ -402,17 +514,24 @@ def load_cache(path: str | os.PathLike[str], model: Any) -> tuple[Any, Manifest]
     manifest = read_manifest(folder)
     expected = manifest["model"]
     found = model_fingerprint(model)
-    differ = [f"{key}: saved {expected.get(key)!r}, this model {found.get(key)!r}"
-              for key in sorted(set(expected) | set(found)) if expected.get(key) != found.get(key)]
+    differ = [
+        f"{key}: saved {expected.get(key)!r}, this model {found.get(key)!r}"
+        for key in sorted(set(expected) | set(found))
+        if expected.get(key) != found.get(key)
+    ]
     if differ:
-        raise CacheFileError(f"{folder}: the cache was saved from another model ({'; '.join(differ)}); load it "
-                             "with the model that made it, or prefill this model again")
+        raise CacheFileError(
+            f"{folder}: the cache was saved from another model ({'; '.join(differ)}); load it "
+            "with the model that made it, or prefill this model again"
+        )
     file = folder / str(manifest["tensors"].get("file", TENSORS))
     if not file.is_file():
         raise CacheFileError(f"{folder}: the tensor file {file.name} is missing; save the cache again")
     if _sha256(file) != manifest["tensors"].get("sha256"):
-        raise CacheFileError(f"{file}: checksum mismatch, the tensor file is corrupt or was changed after saving; "
-                             "save the cache again")
+        raise CacheFileError(
+            f"{file}: checksum mismatch, the tensor file is corrupt or was changed after saving; "
+            "save the cache again"
+        )
     try:
         tensors = load_file(str(file))
     except (SafetensorError, OSError) as err:
@@ -422,24 +541,27 @@ def load_cache(path: str | os.PathLike[str], model: Any) -> tuple[Any, Manifest]
     except ValueError as err:
         raise CacheFileError(f"{folder}: cannot rebuild method {manifest['method']!r}: {err}") from err
     device = next(model.parameters()).device
-    decoder = _Decoder(tensors, cache, cache, device)  # model-built parts come from the new cache's own layers
+    decoder = _Decoder(tensors, cache, device)  # model-built parts come from the fresh cache
     layers = manifest["state"]["layers"]
     if len(layers) != len(cache.layers):
         raise CacheFileError(f"{folder}: {len(layers)} saved layers, the model has {len(cache.layers)}")
     try:
-        restored = [decoder.decode(node) for node in layers]
-        shared = {key: decoder.decode(node) for key, node in manifest["state"]["shared"].items()}
+        for index, node in enumerate(layers):
+            decoder.layer(index, node)
+        cache.context.set_state(decoder.decode(manifest["state"]["context"]))
     except (KeyError, TypeError, ValueError) as err:
         if isinstance(err, CacheFileError):
             raise
-        raise CacheFileError(f"{folder}: the saved state is malformed ({err!r}); save the cache again") from err
-    for index, layer in enumerate(restored):
-        if type(layer) is not type(cache.layers[index]):
-            raise CacheFileError(f"{folder}: layer {index} was saved as {type(layer).__name__}, the method now "
-                                 f"builds {type(cache.layers[index]).__name__}; save the cache again")
-    cache.layers = restored
-    cache.shared.update(shared)
-    info = Manifest(method=manifest["method"], tokens=int(manifest["tokens"]), rows=int(manifest.get("rows", 0)),
-                    model=expected, prompt_ids=manifest.get("prompt_ids"), kvweave=str(manifest.get("kvweave")),
-                    path=folder)
+        raise CacheFileError(
+            f"{folder}: the saved state is malformed ({err!r}); save the cache again"
+        ) from err
+    info = Manifest(
+        method=manifest["method"],
+        tokens=int(manifest["tokens"]),
+        rows=int(manifest.get("rows", 0)),
+        model=expected,
+        prompt_ids=manifest.get("prompt_ids"),
+        kvweave=str(manifest.get("kvweave")),
+        path=folder,
+    )
     return cache, info

@@ -33,14 +33,22 @@ def entropy(scores: torch.Tensor) -> torch.Tensor:
 class EntropyTemperatureProcessor(LogitsProcessor):
     """Divide the scores by a temperature that falls when the next-token entropy is above a threshold."""
 
-    def __init__(self, base_temperature: float = 1.0, beta: float = 0.2, threshold: float = SEED_THRESHOLD,
-                 min_temperature: float = 0.5, mode: str = "linear",
-                 step_temperature: float = SEED_STEP_TEMPERATURE) -> None:
+    def __init__(
+        self,
+        base_temperature: float = 1.0,
+        beta: float = 0.2,
+        threshold: float = SEED_THRESHOLD,
+        min_temperature: float = 0.5,
+        mode: str = "linear",
+        step_temperature: float = SEED_STEP_TEMPERATURE,
+    ) -> None:
         if not base_temperature > 0:
             raise ValueError(f"base_temperature={base_temperature!r} is out of range; allowed (0, inf)")
         if not 0 < min_temperature <= base_temperature:
-            raise ValueError(f"min_temperature={min_temperature!r} is out of range; allowed "
-                             f"(0, base_temperature={base_temperature}]")
+            raise ValueError(
+                f"min_temperature={min_temperature!r} is out of range; allowed "
+                f"(0, base_temperature={base_temperature}]"
+            )
         if not beta >= 0:
             raise ValueError(f"beta={beta!r} is out of range; allowed [0, inf)")
         if not threshold >= 0:
@@ -78,8 +86,10 @@ class EntropyTemperatureProcessor(LogitsProcessor):
     @property
     def trace(self) -> list[dict[str, Any]]:
         """Per step: ``{"step", "entropy": [per row], "temperature": [per row]}`` (JSON-able)."""
-        return [{"step": i, "entropy": h.tolist(), "temperature": t.tolist()}
-                for i, (h, t) in enumerate(zip(self._entropies, self._temperatures, strict=True))]
+        return [
+            {"step": i, "entropy": h.tolist(), "temperature": t.tolist()}
+            for i, (h, t) in enumerate(zip(self._entropies, self._temperatures, strict=True))
+        ]
 
     def reset(self) -> None:
         """Forget the trace (reuse the processor for another generation)."""

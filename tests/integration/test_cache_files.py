@@ -8,8 +8,10 @@ from kvweave.cli import main
 
 pytestmark = pytest.mark.integration
 
-PROMPT = ("The lighthouse keeper wrote the number 41877 on the wall of the lamp room and then described the "
-          "storm in detail. ") * 12
+PROMPT = (
+    "The lighthouse keeper wrote the number 41877 on the wall of the lamp room and then described the "
+    "storm in detail. "
+) * 12
 QUESTION = "Question: which number did the keeper write on the wall? Answer: the number"
 
 
@@ -19,7 +21,7 @@ def _generate(capsys, *args):
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("method", ["full", "dkcache:ratio=0.25"])
+@pytest.mark.parametrize("method", ["full", "dkcache:attended=0.25"])
 def test_saved_prefix_continues_exactly(method, tmp_path, capsys):
     folder = str(tmp_path / "prefix.kv")
     code, saved_run, err = _generate(capsys, "--method", method, "--save-cache", folder, PROMPT + QUESTION)

@@ -27,7 +27,11 @@ COMMAND = [
 def _kvweave(args: list[str], **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvweave.cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw
+        [sys.executable, "-m", "kvweave.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
     )
 
 

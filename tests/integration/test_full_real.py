@@ -22,8 +22,13 @@ def test_full_matches_dynamic_cache_at_1k(smollm):
     model, tokenizer = smollm
     sample = tasks.make_sample("passkey", tokenizer, 1000, depth=0.5, seed=1)
     ids = tokenizer(sample.prompt, return_tensors="pt").input_ids
-    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                  attention_mask=torch.ones_like(ids))
+    kwargs = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        attention_mask=torch.ones_like(ids),
+    )
     ref = model.generate(ids, **kwargs, **{cache_kwarg(model): DynamicCache(config=model.config)})
     cache = kvweave.make_cache("full", model)
     out = model.generate(ids, **kwargs, **{cache_kwarg(model): cache})
@@ -36,8 +41,13 @@ def test_full_matches_dynamic_cache_at_1k(smollm):
 def test_eval_passkey_runs_and_reports_bytes(smollm, tmp_path):
     from kvweave.eval import runner
 
-    config = runner.EvalConfig(model="smollm2-135m", tasks=["passkey"], contexts=[512],
-                               methods=["full", "window:window=128"], trials=1)
+    config = runner.EvalConfig(
+        model="smollm2-135m",
+        tasks=["passkey"],
+        contexts=[512],
+        methods=["full", "window:window=128"],
+        trials=1,
+    )
     rows = runner.run(config, out_dir=tmp_path, progress=False, model_and_tokenizer=smollm)
     summary = {s["method"]: s for s in runner.summarize(rows)}
     assert summary["full"]["compression"] == pytest.approx(0.5)  # fp32 held vs 16-bit reference
@@ -54,8 +64,9 @@ def test_eval_code_task_on_the_real_model(smollm, tmp_path):
     """The code-continuation task end to end: a scored row with the edit-similarity metric."""
     from kvweave.eval import runner
 
-    config = runner.EvalConfig(model="smollm2-135m", tasks=["code"], contexts=[512], methods=["full"], trials=1,
-                               max_new_tokens=12)
+    config = runner.EvalConfig(
+        model="smollm2-135m", tasks=["code"], contexts=[512], methods=["full"], trials=1, max_new_tokens=12
+    )
     (row,) = runner.run(config, out_dir=tmp_path, progress=False, model_and_tokenizer=smollm)
     assert row["metric"] == "edit_sim" and 0.0 <= row["score"] <= 1.0 and row["max_new_tokens"] == 12
     assert row["answers"] and row["prediction"]

@@ -7,8 +7,14 @@ import types
 import torch
 
 
-def hand_built_layer(layer_class, method, keys: torch.Tensor, values: torch.Tensor | None = None,
-                     pad_count: torch.Tensor | None = None, scaling: float = 1.0):
+def hand_built_layer(
+    layer_class,
+    method,
+    keys: torch.Tensor,
+    values: torch.Tensor | None = None,
+    pad_count: torch.Tensor | None = None,
+    scaling: float = 1.0,
+):
     """A ``layer_class`` layer holding ``keys, values: [B, H, T, D]`` as a prompt just stored (no eviction yet)."""
     values = torch.randn_like(keys) if values is None else values
     cache = types.SimpleNamespace(method=method, head_dim=keys.shape[-1])

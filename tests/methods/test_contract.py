@@ -16,7 +16,7 @@ import kvweave
 import kvweave.methods  # noqa: F401  (fills the registry)
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.cache import METHODS, parse_method
+from kvweave.registry import METHODS, parse_method
 
 NAMES = sorted(METHODS)
 
@@ -118,6 +118,57 @@ def test_nbytes_counts_held_tensors_and_compresses(name):
         assert held < full_fp32, f"{name} holds {held} B, the exact fp32 cache {full_fp32} B"
 
 
+def reachable_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor reachable from the cache's layers and its layer groups, found by walking attributes,
+    containers and dataclasses (not through the model-built parts: modules, the method, RoPE tables)."""
+    from kvweave.cache import CacheContext, KVCache
+    from kvweave.ops.rope import RopeTable, Rotary
+    from kvweave.registry import Method
+
+    skip = (torch.nn.Module, Method, KVCache, CacheContext, RopeTable, Rotary, torch.device, torch.dtype)
+    visited: set[int] = set()
+    found: list[torch.Tensor] = []
+
+    def walk(obj) -> None:
+        if id(obj) in visited or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, skip):
+            return
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(key)
+                walk(value)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                walk(item)
+        elif hasattr(obj, "__dict__"):
+            walk(vars(obj))
+
+    for layer in cache.layers:
+        walk(layer)
+    walk(cache.context.groups)
+    return found
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nbytes_equals_an_independent_walk_of_every_tensor(name):
+    """``cache.nbytes()`` (hand-written per method) against the storages of every reachable tensor, after a
+    prefill and after decoding past a fold / tier move."""
+    model = tiny_model("llama")
+    cache = kvweave.make_cache(_method(name), model)
+    ids = torch.randint(3, 150, (1, 64))
+    _generate(model, ids, torch.ones_like(ids), cache, new_tokens=24)
+    storages: dict[int, int] = {}
+    for tensor in reachable_tensors(cache):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    walked = sum(storages.values())
+    assert cache.nbytes() == walked, f"{name}: nbytes() says {cache.nbytes()} B, its tensors hold {walked} B"
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].bounded_memory])
 def test_memory_bounded_during_long_decoding(name):
     model = tiny_model("llama")
@@ -190,3 +241,25 @@ def test_nan_in_prompt_keys_is_refused_with_the_way_out(name):
     bad_value[0, 1, 5, 0] = float("inf")
     with pytest.raises(ValueError, match=f"{name}: layer 0"):
         kvweave.make_cache(_method(name), model).layers[0].update(key, bad_value, 0)
+
+
+def test_renamed_options_read_under_their_current_names():
+    """One budget vocabulary: DK-Cache's per-step budget is ``attended`` (not ``ratio``, which evictors use for
+    what they hold) and DepthWeave's is ``compression``; old specs (committed result rows) still read."""
+    from kvweave.registry import canonical_spec
+
+    assert parse_method("dkcache:ratio=0.25").attended == 0.25
+    assert parse_method("dkcache:ratio=0.25").spec() == "dkcache:attended=0.25"
+    assert parse_method("depthweave", target_ratio=4.0).compression == 4.0
+    assert (
+        canonical_spec("dkcache:ratio=0.125,decouple=False,pages=8")
+        == "dkcache:attended=0.125,decouple=False,pages=8"
+    )
+    assert canonical_spec("depthweave:target_ratio=16.0") == "depthweave:compression=16.0"
+    assert canonical_spec("snapkv:ratio=0.25") == "snapkv:ratio=0.25"
+    assert canonical_spec("kvpress:SnapKV:0.5") == "kvpress:SnapKV:0.5"
+    for name in NAMES:
+        cls = METHODS[name]
+        fields = {f for f in cls.__dataclass_fields__}
+        assert set(cls.budget_options) <= fields, f"{name}: budget_options names options it lacks"
+        assert not set(cls.renamed_options) & fields, f"{name}: a renamed option still exists"

@@ -137,10 +137,10 @@ def test_probe_error_decreases_with_rank(model):
     assert all(a > b for a, b in zip(errors, errors[1:], strict=False)), errors
 
 
-def test_target_ratio_is_met_within_15_percent(model):
+def test_compression_is_met_within_15_percent(model):
     ids = _ids(512)
     for target in (3.0, 6.0):
-        cache = _prefill(model, ids, target_ratio=target, group=4)
+        cache = _prefill(model, ids, compression=target, group=4)
         measured = cache.full_kv_bytes() / cache.nbytes()
         assert abs(measured / target - 1) <= 0.15, (target, measured)
 
@@ -277,7 +277,7 @@ def test_basis_refresh_lowers_error_of_what_is_held(model):
     reference = _reference_kv(model, ids)
     errors, refreshes, sizes = [], [], []
     for drift in (1.0, 1000.0):
-        cache = _prefill(model, ids[:, :48], group=2, target_ratio=2.5, drift=drift)
+        cache = _prefill(model, ids[:, :48], group=2, compression=2.5, drift=drift)
         with torch.no_grad():
             for t in range(48, 100):  # teacher-forced decoding: both caches see the same tokens
                 model(ids[:, t : t + 1], **{cache_kwarg(model): cache})

@@ -12,8 +12,6 @@ from transformers import DynamicCache
 import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.cache import parse_method
-from kvweave.methods import dkcache
 from kvweave.methods.dkcache import (
     DKCache,
     decouple_keys,
@@ -25,7 +23,9 @@ from kvweave.methods.dkcache import (
     remapped_distance,
     steady_mean,
 )
+from kvweave.ops.attention import fused_part_attention, merge_parts
 from kvweave.ops.quantize import dequantize_int8, quantize_int8
+from kvweave.registry import parse_method
 
 SMALL = "dkcache:core=4,steady=12,page=8,sinks=2"
 
@@ -45,9 +45,16 @@ def batch():
 
 
 def _generate(model, ids, mask, cache, new_tokens=8):
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True,
-                          **{cache_kwarg(model): cache})
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **{cache_kwarg(model): cache},
+    )
 
 
 def _run(model, batch, spec):
@@ -93,6 +100,21 @@ def test_post_rope_storage_turns_compensation_off():
     assert DKCache().remaps_positions
     assert not DKCache(key_storage="post_rope").remaps_positions
     assert not DKCache(rope_compensation=False).remaps_positions
+
+
+def test_attention_path_options():
+    """The kernels are chosen by options (no module switches); the defaults are the fast paths, omitted from the
+    spec, so plain ``dkcache`` stays ``dkcache``."""
+    assert DKCache().spec() == "dkcache"
+    assert (DKCache().path, DKCache().hold_rotated, DKCache().flash_chunk) == ("fast", True, 1024)
+    assert (
+        parse_method("dkcache:path=reference,hold_rotated=false").spec()
+        == "dkcache:path=reference,hold_rotated=False"
+    )
+    with pytest.raises(ValueError, match=r"path='slow'.*'fast', 'reference'"):
+        parse_method("dkcache:path=slow")
+    with pytest.raises(ValueError, match="flash_chunk=0"):
+        DKCache(flash_chunk=0)
 
 
 # ------------------------------------------------------------------------------------------- decoupling
@@ -224,7 +246,7 @@ def test_offload_on_cpu_changes_nothing(model, batch):
 
 
 def test_ratio_sets_bounds_from_the_prompt(model):
-    cache = kvweave.make_cache("dkcache:ratio=0.5,sinks=2,page=4", model)
+    cache = kvweave.make_cache("dkcache:attended=0.5,sinks=2,page=4", model)
     with torch.no_grad():
         model(torch.randint(3, 150, (1, 40)), **{cache_kwarg(model): cache})
     stats = cache.stats()["layers"][0]
@@ -274,27 +296,46 @@ def _naive_self_extend(rotary, q_pre, k_pre, values, window, group, scaling, tra
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
-def test_compensated_attention_equals_self_extend_reference(model, monkeypatch):
-    monkeypatch.setattr(dkcache, "CHUNK_ELEMENTS", 4 * 40 * 12)  # several query chunks at prefill
-    cache = kvweave.make_cache("dkcache:core=4,steady=12,page=4,pages=100,sinks=2,decouple=false,"
-                               "trained_length=16", model)
+def test_compensated_attention_equals_self_extend_reference(model):
+    cache = kvweave.make_cache(
+        "dkcache:core=4,steady=12,page=4,pages=100,sinks=2,decouple=false,trained_length=16", model
+    )
     layer, module = cache.layers[0], model.model.layers[0].self_attn
+    layer.chunk_elements = 4 * 40 * 12  # several query chunks at prefill
     rotary = cache.rotary_for(0)
     torch.manual_seed(0)
     n = 40
-    q_pre, k_pre, values = torch.randn(1, 4, n + 1, 16), torch.randn(1, 2, n + 1, 16), torch.randn(1, 2, n + 1, 16)
+    q_pre, k_pre, values = (
+        torch.randn(1, 4, n + 1, 16),
+        torch.randn(1, 2, n + 1, 16),
+        torch.randn(1, 2, n + 1, 16),
+    )
     positions = torch.arange(n + 1).view(1, -1)
     query, key = rotary.rotate(q_pre, positions), rotary.rotate(k_pre, positions)
     layer.lazy_initialization(key, values)
     scaling = 0.25
-    out = layer.attend(module, query[:, :, :n], key[:, :, :n], values[:, :, :n], None,
-                       position_ids=positions[:, :n], scaling=scaling)
+    out = layer.attend(
+        module,
+        query[:, :, :n],
+        key[:, :, :n],
+        values[:, :, :n],
+        None,
+        position_ids=positions[:, :n],
+        scaling=scaling,
+    )
     assert layer.groups == [group_size(n, 4, 16)] == [4]
     ref = _naive_self_extend(rotary, q_pre[:, :, :n], k_pre[:, :, :n], values[:, :, :n], 4, 4, scaling, 16)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
     # one decode step: sinks + every far page + steady + core, the same remapping (group for n + 1 tokens)
-    out = layer.attend(module, query[:, :, n:], key[:, :, n:], values[:, :, n:], None,
-                       position_ids=positions[:, n:], scaling=scaling)
+    out = layer.attend(
+        module,
+        query[:, :, n:],
+        key[:, :, n:],
+        values[:, :, n:],
+        None,
+        position_ids=positions[:, n:],
+        scaling=scaling,
+    )
     ref = _naive_self_extend(rotary, q_pre, k_pre, values, 4, group_size(n + 1, 4, 16), scaling, 16)
     torch.testing.assert_close(out, ref[:, n:], atol=1e-5, rtol=1e-4)
     assert layer.layer_stats()["tiers"]["far"] > 0
@@ -318,7 +359,7 @@ def test_beyond_trained_range_batch_rows_equal_single_rows(model, batch):
     assert cache.stats()["layers"][0]["group_size"] > 1
     ids, mask = batch
     single = _generate(model, ids[1:, 5:], mask[1:, 5:], kvweave.make_cache(spec, model))
-    assert torch.equal(out.sequences[1, ids.shape[1]:], single.sequences[0, ids.shape[1] - 5:])
+    assert torch.equal(out.sequences[1, ids.shape[1] :], single.sequences[0, ids.shape[1] - 5 :])
     assert all(torch.isfinite(step).all() for step in out.logits)
 
 
@@ -356,18 +397,17 @@ def test_eval_rows_record_entries_attended_per_step(model):
 
 
 @pytest.mark.parametrize(("n", "chunk"), [(40, 7), (40, 64), (23, 5)])
-def test_fast_compensated_prefill_equals_reference(model, monkeypatch, n, chunk):
+def test_fast_compensated_prefill_equals_reference(model, n, chunk):
     """The fused-kernel prefill (bulk / boundary / neighbour parts merged by log-sum-exp) against the chunked
     reference, beyond the trained range, for chunkings that do and do not align with it."""
     torch.manual_seed(3)
     ids = torch.randint(3, 150, (1, n))
-    spec = "dkcache:core=4,steady=12,page=4,pages=100,sinks=2,trained_length=16"
+    spec = f"dkcache:core=4,steady=12,page=4,pages=100,sinks=2,trained_length=16,flash_chunk={chunk}"
     outs = {}
     for fast in (False, True):
-        monkeypatch.setattr(dkcache, "FAST_PREFILL", fast)
-        monkeypatch.setattr(dkcache, "FLASH_CHUNK", chunk)
-        monkeypatch.setattr(dkcache, "CHUNK_ELEMENTS", 4 * 40 * 12)
-        cache = kvweave.make_cache(spec, model)
+        cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
+        for layer in cache.layers:
+            layer.chunk_elements = 4 * 40 * 12  # several query chunks in the reference
         with torch.no_grad():
             logits = model(ids, **{cache_kwarg(model): cache}).logits
         assert cache.layers[0].groups[0] > 1
@@ -380,17 +420,30 @@ def test_fast_prefill_part_sees_nothing_gives_no_weight():
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8)
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[0, :2] = True
-    out, lse = dkcache._flash_part(q, k, k, mask, 0.3)
-    assert torch.isinf(lse.view(1, 2, 2, 3)[..., 1:]).all() and torch.isfinite(lse.view(1, 2, 2, 3)[..., 0]).all()
-    other = dkcache._flash_part(q, k, k, None, 0.3)
-    merged = dkcache._merge_parts([(out, lse), other, None])
-    torch.testing.assert_close(merged.view(1, 2, 2, 3, 8)[..., 1:, :], other[0].view(1, 2, 2, 3, 8)[..., 1:, :])
+    out, lse = fused_part_attention(q, k, k, mask, 0.3)
+    assert (
+        torch.isinf(lse.view(1, 2, 2, 3)[..., 1:]).all()
+        and torch.isfinite(lse.view(1, 2, 2, 3)[..., 0]).all()
+    )
+    other = fused_part_attention(q, k, k, None, 0.3)
+    merged = merge_parts([(out, lse), other, None])
+    torch.testing.assert_close(
+        merged.view(1, 2, 2, 3, 8)[..., 1:, :], other[0].view(1, 2, 2, 3, 8)[..., 1:, :]
+    )
 
 
-@pytest.mark.parametrize("options", ["", ",key_storage=post_rope", ",bits=8", ",retrieve=entropy,entropy_threshold=0.1",
-                                     ",profile=code,far_dtype=int8"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        "",
+        ",key_storage=post_rope",
+        ",bits=8",
+        ",retrieve=entropy,entropy_threshold=0.1",
+        ",profile=code,far_dtype=int8",
+    ],
+)
 @pytest.mark.parametrize("padded", [False, True])
-def test_fast_decode_equals_general_path(model, batch, monkeypatch, options, padded):
+def test_fast_decode_equals_general_path(model, batch, options, padded):
     """Decode at exact positions (logits per tier, decoupling as a bias) against the general path (tiers
     concatenated), both holding keys post-RoPE; and holding them post-RoPE against holding them pre-RoPE and
     rotating the attended ones every step (equal unless INT8 codes are taken of the other form)."""
@@ -398,9 +451,9 @@ def test_fast_decode_equals_general_path(model, batch, monkeypatch, options, pad
     spec = SMALL + ",pages=2" + options
     outs = []
     for fast, hold in ((True, True), (False, True), (False, False)):
-        monkeypatch.setattr(dkcache, "FAST_DECODE", fast)
-        monkeypatch.setattr(dkcache, "HOLD_ROTATED", hold)
-        cache = kvweave.make_cache(spec, model)
+        cache = kvweave.make_cache(
+            spec + f",path={'fast' if fast else 'reference'},hold_rotated={hold}", model
+        )
         outs.append(_generate(model, ids, mask, cache, new_tokens=10))
         assert cache.layers[0].rotated == (hold or "post_rope" in options)
         assert cache.layers[0].layer_stats()["tiers"]["far"] > 0
@@ -411,7 +464,7 @@ def test_fast_decode_equals_general_path(model, batch, monkeypatch, options, pad
         assert _logit_gap(outs[1], outs[2]) <= 1e-4
 
 
-def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_range(model, monkeypatch):
+def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_range(model):
     """A prompt inside the trained range, generation past it: keys held post-RoPE switch to pre-RoPE at the step
     compensation starts, and decoding matches a cache that held them pre-RoPE throughout."""
     torch.manual_seed(1)
@@ -419,8 +472,7 @@ def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_rang
     spec = "dkcache:core=4,steady=12,page=4,pages=3,sinks=2,trained_length=44"
     outs, caches = [], []
     for hold in (True, False):
-        monkeypatch.setattr(dkcache, "HOLD_ROTATED", hold)
-        cache = kvweave.make_cache(spec, model)
+        cache = kvweave.make_cache(spec + f",hold_rotated={hold}", model)
         outs.append(_generate(model, ids, torch.ones_like(ids), cache, new_tokens=12))
         caches.append(cache)
     assert not caches[0].layers[0].rotated and caches[0].layers[0].groups[0] > 1
@@ -428,9 +480,18 @@ def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_rang
     assert _logit_gap(*outs) <= 1e-4
 
 
-@pytest.mark.parametrize("options", ["", ",bits=8", ",retrieve=entropy,entropy_threshold=0.1",
-                                     ",profile=code,far_dtype=int8", ",decouple=false", ",hold=inside"])
-def test_fast_compensated_decode_equals_general_path(model, monkeypatch, options):
+@pytest.mark.parametrize(
+    "options",
+    [
+        "",
+        ",bits=8",
+        ",retrieve=entropy,entropy_threshold=0.1",
+        ",profile=code,far_dtype=int8",
+        ",decouple=false",
+        ",hold=inside",
+    ],
+)
+def test_fast_compensated_decode_equals_general_path(model, options):
     """Decode beyond the trained range with steady and far keys held at grouped positions (logits per tier,
     decoupling as a bias) against the general path that rotates every attended key each step; the Self-Extend
     group grows during generation (2 -> 3), so the held keys are re-rotated once on the way. ``hold=inside``
@@ -438,11 +499,12 @@ def test_fast_compensated_decode_equals_general_path(model, monkeypatch, options
     torch.manual_seed(2)
     inside = "hold=inside" in options
     ids = torch.randint(3, 150, (1, 20 if inside else 40))
-    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24" + options.replace(",hold=inside", "")
+    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24" + options.replace(
+        ",hold=inside", ""
+    )
     outs, caches = [], []
     for fast in (True, False):
-        monkeypatch.setattr(dkcache, "FAST_COMPENSATED", fast)
-        cache = kvweave.make_cache(spec, model)
+        cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
         outs.append(_generate(model, ids, torch.ones_like(ids), cache, new_tokens=30 if inside else 22))
         caches.append(cache)
     layer = caches[0].layers[0]
@@ -452,21 +514,20 @@ def test_fast_compensated_decode_equals_general_path(model, monkeypatch, options
         assert torch.equal(outs[0].sequences, outs[1].sequences)
         assert _logit_gap(*outs) <= 1e-4
     else:  # INT8 codes of other key forms: close logits while the prefixes agree (random weights, flat logits)
-        new = [o.sequences[0, ids.shape[1]:] for o in outs]
+        new = [o.sequences[0, ids.shape[1] :] for o in outs]
         same = int((new[0] != new[1]).nonzero()[0]) if not torch.equal(*new) else len(new[0]) - 1
         assert same >= 4
-        pairs = zip(outs[0].logits[:same + 1], outs[1].logits[:same + 1], strict=True)
+        pairs = zip(outs[0].logits[: same + 1], outs[1].logits[: same + 1], strict=True)
         assert max((x - y).abs().max().item() for x, y in pairs) <= 5e-2
 
 
-def test_compensated_padded_batch_takes_the_general_path(model, batch, monkeypatch):
+def test_compensated_padded_batch_takes_the_general_path(model, batch):
     """Left padding (positions are not slots): the general path, and the same result with the fast path on."""
     ids, mask = batch
     spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24"
     outs = []
     for fast in (True, False):
-        monkeypatch.setattr(dkcache, "FAST_COMPENSATED", fast)
-        cache = kvweave.make_cache(spec, model)
+        cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
         outs.append(_generate(model, ids, mask, cache, new_tokens=6))
         assert cache.layers[0].held_group is None and cache.layers[0].groups[0] > 1
     assert torch.equal(outs[0].sequences, outs[1].sequences)
@@ -486,6 +547,44 @@ def test_page_summaries_are_min_max_of_each_pages_real_keys(model, batch, padded
         far = layer.far
         for row, paged in enumerate(far.paged_lengths()):
             for page in range(-(-paged // far.page)):
-                real = far.store["keys"][row, :, page * far.page: min(paged, (page + 1) * far.page)]
+                real = far.store["keys"][row, :, page * far.page : min(paged, (page + 1) * far.page)]
                 torch.testing.assert_close(far.page_min[row, :, page], real.amin(1))
                 torch.testing.assert_close(far.page_max[row, :, page], real.amax(1))
+
+
+@pytest.mark.parametrize(
+    ("spec", "padded"),
+    [
+        (
+            "dkcache:attended=0.5,sinks=2,page=4,pages=2,bits=8",
+            True,
+        ),  # attended: the tier bounds come from the prompt
+        (
+            "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24",
+            False,
+        ),  # held at grouped positions
+        (
+            "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,trained_length=24,retrieve=entropy,entropy_threshold=0.1",
+            True,
+        ),  # compensated, padded: the general path
+    ],
+)
+def test_saved_cache_continues_exactly(model, batch, tmp_path, spec, padded):
+    """Save a cache mid-generation (tiers moved, far pages summarised, beyond the trained range) and load it into
+    a fresh cache: decoding continues bit for bit, with the same bytes held and the same layer statistics."""
+    ids, mask = batch if padded else (batch[0][:1], batch[1][:1])
+    cache = kvweave.make_cache(spec, model)
+    first = _generate(model, ids, mask, cache, new_tokens=5).sequences[:, :-1]  # the last token is not cached
+    kvweave.save_cache(cache, model, tmp_path / "kv")
+    loaded, _ = kvweave.load_cache(tmp_path / "kv", model)
+    assert loaded.nbytes() == cache.nbytes()
+    assert [layer.layer_stats() for layer in loaded.layers] == [layer.layer_stats() for layer in cache.layers]
+    more = torch.cat([first, torch.randint(3, 150, (first.shape[0], 3))], dim=1)
+    longer = torch.cat(
+        [mask, torch.ones(first.shape[0], 3 + first.shape[1] - mask.shape[1], dtype=mask.dtype)], 1
+    )
+    expected = _generate(model, more, longer, cache, new_tokens=6)
+    got = _generate(model, more, longer, loaded, new_tokens=6)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert _logit_gap(got, expected) == 0
+    assert [layer.layer_stats() for layer in loaded.layers] == [layer.layer_stats() for layer in cache.layers]

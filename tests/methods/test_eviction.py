@@ -6,10 +6,10 @@ import pytest
 import torch
 from layer_helpers import hand_built_layer
 
-from kvweave.cache import parse_method
 from kvweave.methods._eviction import budget_per_row, gumbel_noise, select_keep
 from kvweave.methods.h2o import H2OLayer
 from kvweave.methods.keyformer import KeyformerLayer
+from kvweave.registry import parse_method
 
 
 def test_select_keep_takes_top_entries_per_head():
@@ -49,7 +49,7 @@ def test_gumbel_noise_is_deterministic_and_gumbel_distributed():
     assert torch.equal(a, gumbel_noise(0, 3, torch.tensor(1), torch.tensor(7), keys))
     assert not torch.equal(a, gumbel_noise(1, 3, torch.tensor(1), torch.tensor(7), keys))
     assert abs(a.mean().item() - 0.5772) < 0.05  # Euler-Mascheroni constant
-    assert abs(a.var().item() - torch.pi ** 2 / 6) < 0.1
+    assert abs(a.var().item() - torch.pi**2 / 6) < 0.1
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -70,7 +70,9 @@ def test_attention_received_in_chunks_skips_only_keys_no_query_sees(padded):
     expected = weights.sum(dim=(2, 3))
     layer = hand_built_layer(H2OLayer, parse_method("h2o:budget=8"), keys, pad_count=pad)
     for elements in (1 << 25, b * h * g * t * 4):  # one chunk; chunks of four query rows
-        assert torch.allclose(layer.attention_received(query, mask, 0, elements=elements), expected, atol=1e-5)
+        assert torch.allclose(
+            layer.attention_received(query, mask, 0, elements=elements), expected, atol=1e-5
+        )
     layer = hand_built_layer(KeyformerLayer, parse_method("keyformer:budget=8"), keys, pad_count=pad)
     layer.prompt_tokens = real.sum(-1)
     whole = layer.attention_received(query, mask, 0, layer.gumbel_hook(0), elements=1 << 25)

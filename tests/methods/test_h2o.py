@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from layer_helpers import add_token, hand_built_layer
 
-from kvweave.cache import parse_method
 from kvweave.methods.h2o import H2OLayer
+from kvweave.registry import parse_method
 
 
 def _column_sums(query, keys):
     """Accumulated causal attention (summed over query heads) each key receives: brute force."""
     logits = torch.einsum("hqd,td->hqt", query, keys)
-    causal = torch.ones(keys.shape[0], keys.shape[0], dtype=torch.bool).tril()[-query.shape[1]:]
+    causal = torch.ones(keys.shape[0], keys.shape[0], dtype=torch.bool).tril()[-query.shape[1] :]
     return logits.masked_fill(~causal, float("-inf")).softmax(-1).sum(dim=(0, 1))
 
 

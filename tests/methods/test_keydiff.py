@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from layer_helpers import add_token, hand_built_layer
 
-from kvweave.cache import parse_method
 from kvweave.methods.keydiff import KeyDiffLayer, key_diversity
+from kvweave.registry import parse_method
 
 
 def _keys():

@@ -8,9 +8,9 @@ from layer_helpers import add_token, hand_built_layer
 import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.cache import parse_method
 from kvweave.methods._eviction import gumbel_noise
 from kvweave.methods.keyformer import KeyformerLayer
+from kvweave.registry import parse_method
 
 
 def _held_after_generation(spec, ids):
@@ -51,5 +51,7 @@ def test_temperature_rises_from_tau_init_to_tau_end():
     # a prompt query (token 3), decode steps 2 and 4 (= steps), and beyond
     for query_token, tau in ((3, 1.0), (5, 2.0), (7, 3.0), (20, 3.0)):
         scaled = layer.gumbel_hook(first=query_token)(logits, 0, 1)
-        raw = gumbel_noise(0, 0, torch.zeros(1, 1, 1, 1, 1), torch.tensor(query_token).view(1, 1, 1, 1, 1), key)
+        raw = gumbel_noise(
+            0, 0, torch.zeros(1, 1, 1, 1, 1), torch.tensor(query_token).view(1, 1, 1, 1, 1), key
+        )
         assert torch.allclose(scaled, raw / tau)

@@ -13,7 +13,10 @@ from kvweave._compat import cache_kwarg
 def _decode_logits(model, cache, ids, prompt=20):
     with torch.no_grad():
         model(ids[:, :prompt], **{cache_kwarg(model): cache})
-        steps = [model(ids[:, i:i + 1], **{cache_kwarg(model): cache}).logits[:, -1] for i in range(prompt, ids.shape[1])]
+        steps = [
+            model(ids[:, i : i + 1], **{cache_kwarg(model): cache}).logits[:, -1]
+            for i in range(prompt, ids.shape[1])
+        ]
     return torch.cat(steps)
 
 
@@ -21,7 +24,9 @@ def test_factor_one_equals_full_logits():
     model = tiny_model("llama")
     ids = torch.randint(3, 150, (1, 30))
     reference = _decode_logits(model, DynamicCache(config=model.config), ids)
-    assert (_decode_logits(model, kvweave.make_cache("pi:factor=1.0", model), ids) - reference).abs().max() <= 1e-5
+    assert (
+        _decode_logits(model, kvweave.make_cache("pi:factor=1.0", model), ids) - reference
+    ).abs().max() <= 1e-5
 
 
 def test_keys_are_stored_at_interpolated_positions():

@@ -9,8 +9,9 @@ from transformers import DynamicCache
 import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.cache import masked_attention, parse_method
+from kvweave.cache import masked_attention
 from kvweave.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
+from kvweave.registry import parse_method
 
 
 def _prefill(model, ids, spec, mask=None):
@@ -113,7 +114,9 @@ def test_padded_row_quantizes_the_blocks_of_its_single_run():
     row = slots_b[1][valid_b[1]] - 7
     order_b, order_s = row.argsort(), slots_s[0][valid_s[0]].argsort()
     assert torch.equal(row[order_b], slots_s[0][valid_s[0]][order_s])
-    assert torch.allclose(keys_b[1][:, valid_b[1]][:, order_b], keys_s[0][:, valid_s[0]][:, order_s], atol=1e-5)
+    assert torch.allclose(
+        keys_b[1][:, valid_b[1]][:, order_b], keys_s[0][:, valid_s[0]][:, order_s], atol=1e-5
+    )
 
 
 def test_more_bits_closer_to_full_logits():
@@ -124,12 +127,19 @@ def test_more_bits_closer_to_full_logits():
     def decode_logits(cache):
         with torch.no_grad():
             model(ids[:, :60], **{cache_kwarg(model): cache})
-            steps = [model(ids[:, i:i + 1], **{cache_kwarg(model): cache}).logits[:, -1] for i in range(60, 80)]
+            steps = [
+                model(ids[:, i : i + 1], **{cache_kwarg(model): cache}).logits[:, -1] for i in range(60, 80)
+            ]
         return torch.cat(steps)
 
     reference = decode_logits(DynamicCache(config=model.config))
-    errors = [(decode_logits(kvweave.make_cache(f"quant:bits={b},group=8,residual=8", model)) - reference)
-              .abs().max().item() for b in (2, 4, 8)]
+    errors = [
+        (decode_logits(kvweave.make_cache(f"quant:bits={b},group=8,residual=8", model)) - reference)
+        .abs()
+        .max()
+        .item()
+        for b in (2, 4, 8)
+    ]
     assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 5e-3
 
@@ -138,8 +148,13 @@ def test_group_that_does_not_fit_head_dim_is_refused():
     model = tiny_model("llama")  # head_dim 16
     with pytest.raises(ValueError, match="group"):
         kvweave.make_cache("quant:group=12", model)
-    assert parse_method("quant").options() == {"bits": 4, "group": 32, "residual": 128, "chunk": 4096,
-                                               "kernel": "auto"}
+    assert parse_method("quant").options() == {
+        "bits": 4,
+        "group": 32,
+        "residual": 128,
+        "chunk": 4096,
+        "kernel": "auto",
+    }
     with pytest.raises(ValueError, match="multiple of 4"):
         kvweave.make_cache("quant:bits=2,group=6", model)
 

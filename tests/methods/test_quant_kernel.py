@@ -18,8 +18,9 @@ from kvweave.methods.quant import (
 from kvweave.ops.attention import OnlineSoftmax
 from kvweave.ops.quantize import pack_codes_split, unpack_codes_split
 
-needs_kernel = pytest.mark.skipif(cpu_quant.load() is None,
-                                  reason=f"C++ quant kernel not buildable here: {cpu_quant.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(
+    cpu_quant.load() is None, reason=f"C++ quant kernel not buildable here: {cpu_quant.unavailable_reason()}"
+)
 
 SHAPES = [  # B, H, R, D, G, n, channel group
     (1, 2, 7, 64, 32, 9, 32),
@@ -46,8 +47,9 @@ def test_torch_key_logits_match_dequantized_keys(bits: int, shape: tuple[int, ..
     blocks = quantize_blocks(torch.randn(b, h, n, g, d) * 3, torch.randn(b, h, n, g, d), bits, cg)
     keys, _ = dequantize_blocks(blocks, bits)
     query = torch.randn(b, h, r, d)
-    torch.testing.assert_close(block_logits(query, blocks, bits), query @ keys.transpose(-1, -2),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        block_logits(query, blocks, bits), query @ keys.transpose(-1, -2), rtol=1e-4, atol=1e-4
+    )
 
 
 @needs_kernel
@@ -76,9 +78,11 @@ def test_masked_online_softmax_same_both_ways() -> None:
     ref = OnlineSoftmax(query, 0.2)
     ref.add_logits(block_logits(query, blocks, 4), dequantize_values(blocks, 4), visible)
     fused = OnlineSoftmax(query, 0.2)
-    fused.add_scaled(cpu_quant.block_logits(query, blocks.key_codes, blocks.key_scale, blocks.key_min, 4, 0.2),
-                     visible, lambda w: cpu_quant.weighted_values(w, blocks.value_codes, blocks.value_scale,
-                                                                  blocks.value_min, 4))
+    fused.add_scaled(
+        cpu_quant.block_logits(query, blocks.key_codes, blocks.key_scale, blocks.key_min, 4, 0.2),
+        visible,
+        lambda w: cpu_quant.weighted_values(w, blocks.value_codes, blocks.value_scale, blocks.value_min, 4),
+    )
     torch.testing.assert_close(fused.result(), ref.result(), rtol=1e-5, atol=1e-5)
     assert torch.equal(fused.total == 0, ref.total == 0)
 
@@ -95,8 +99,9 @@ def test_generate_same_with_either_kernel(bits: int) -> None:
         cache = kvweave.make_cache(f"quant:bits={bits},group=8,residual=8,chunk=16,kernel={kernel}", model)
         with torch.no_grad():
             out = model(ids, attention_mask=mask, **{cache_kwarg(model): cache}).logits
-            step = model(ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1),
-                         **{cache_kwarg(model): cache}).logits
+            step = model(
+                ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1), **{cache_kwarg(model): cache}
+            ).logits
         return torch.cat([out[:, -1:], step], 1), cache
 
     ref, _ = run("torch")

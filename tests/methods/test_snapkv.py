@@ -8,8 +8,8 @@ from layer_helpers import add_token, hand_built_layer
 import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.cache import parse_method
 from kvweave.methods.snapkv import SnapKVLayer
+from kvweave.registry import parse_method
 
 
 def _hand_built(hot, t=20):

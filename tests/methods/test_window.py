@@ -14,7 +14,10 @@ SHIFT = "window:window=8,sinks=2,positions=shift"
 def _decode_logits(model, cache, ids, prompt):
     with torch.no_grad():
         model(ids[:, :prompt], **{cache_kwarg(model): cache})
-        steps = [model(ids[:, i:i + 1], **{cache_kwarg(model): cache}).logits[:, -1] for i in range(prompt, ids.shape[1])]
+        steps = [
+            model(ids[:, i : i + 1], **{cache_kwarg(model): cache}).logits[:, -1]
+            for i in range(prompt, ids.shape[1])
+        ]
     return torch.cat(steps)
 
 
@@ -62,9 +65,15 @@ def test_shift_batch_row_equals_single_run_and_prefix_continues():
     ids = torch.randint(3, 150, (2, 30))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
-                  return_dict_in_generate=True)
-    batch = model.generate(ids, attention_mask=mask, **kwargs, **{cache_kwarg(model): kvweave.make_cache(SHIFT, model)})
+    kwargs = dict(
+        max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
+    batch = model.generate(
+        ids, attention_mask=mask, **kwargs, **{cache_kwarg(model): kvweave.make_cache(SHIFT, model)}
+    )
     single = model.generate(ids[1:, 5:], **kwargs, **{cache_kwarg(model): kvweave.make_cache(SHIFT, model)})
     assert torch.equal(batch.sequences[1, 30:], single.sequences[0, 25:])
-    assert max((a[1] - b[0]).abs().max().item() for a, b in zip(batch.logits, single.logits, strict=True)) <= 1e-4
+    assert (
+        max((a[1] - b[0]).abs().max().item() for a, b in zip(batch.logits, single.logits, strict=True))
+        <= 1e-4
+    )

@@ -10,7 +10,9 @@ import pytest
 from kvweave import cli
 
 
-def test_command_txt_keeps_every_command_that_wrote_to_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_txt_keeps_every_command_that_wrote_to_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = ["kvweave", "eval", "--methods", "full", "--out", str(tmp_path)]
     second = ["kvweave", "eval", "--methods", "full,window", "--out", str(tmp_path)]
     for argv in (first, second, first):  # a rerun of the first command is not listed twice
@@ -24,10 +26,17 @@ def test_method_sweeps_expand_to_every_combination() -> None:
     from kvweave.cli import _methods
 
     assert _methods("full,window:ratio=0.25|0.125,quant:bits=4") == [
-        "full", "window:ratio=0.25", "window:ratio=0.125", "quant:bits=4"]
+        "full",
+        "window:ratio=0.25",
+        "window:ratio=0.125",
+        "quant:bits=4",
+    ]
     assert _methods("dkcache:ratio=0.125,pages=8|16,decouple=true|false") == [
-        "dkcache:ratio=0.125,pages=8,decouple=true", "dkcache:ratio=0.125,pages=8,decouple=false",
-        "dkcache:ratio=0.125,pages=16,decouple=true", "dkcache:ratio=0.125,pages=16,decouple=false"]
+        "dkcache:ratio=0.125,pages=8,decouple=true",
+        "dkcache:ratio=0.125,pages=8,decouple=false",
+        "dkcache:ratio=0.125,pages=16,decouple=true",
+        "dkcache:ratio=0.125,pages=16,decouple=false",
+    ]
 
 
 def test_context_lengths_accept_k_as_1024() -> None:

@@ -64,7 +64,15 @@ def test_rope_phase_range(model):
 
 
 def test_run_diagnostics_is_json(model):
-    out = diagnostics.run_diagnostics(model, _CharTokenizer(), "a short text, repeated", [16, 48],
-                                      methods=["dkcache:core=4,steady=8,trained_length=32"])
+    out = diagnostics.run_diagnostics(
+        model,
+        _CharTokenizer(),
+        "a short text, repeated",
+        [16, 48],
+        methods=["dkcache:core=4,steady=8,trained_length=32"],
+    )
     assert json.loads(json.dumps(out))["lengths"] == [16, 48]
-    assert [e["method"] for e in out["entropy"]] == ["plain model", "dkcache:core=4,steady=8,trained_length=32"]
+    assert [e["method"] for e in out["entropy"]] == [
+        "plain model",
+        "dkcache:core=4,steady=8,trained_length=32",
+    ]

@@ -12,8 +12,15 @@ from kvweave._compat import cache_kwarg
 
 
 def _greedy(model, ids, mask, cache):
-    return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, **{cache_kwarg(model): cache})
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **{cache_kwarg(model): cache},
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)

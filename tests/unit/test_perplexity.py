@@ -77,8 +77,16 @@ def test_summary_keeps_settings_apart():
     from kvweave.eval.perplexity import summarize_perplexity
 
     rows = [
-        {"model": "m", "corpus": "c", "window": w, "target": 8, "method": m, "nll": nll, "kv_bytes": 4,
-         "full_kv_bytes": 2}
+        {
+            "model": "m",
+            "corpus": "c",
+            "window": w,
+            "target": 8,
+            "method": m,
+            "nll": nll,
+            "kv_bytes": 4,
+            "full_kv_bytes": 2,
+        }
         for w, m, nll in [(40, "full", 1.0), (40, "x", 1.5), (80, "full", 2.0), (80, "x", 2.0)]
     ]
     summary = {(s["window"], s["method"]): s for s in summarize_perplexity(rows)}

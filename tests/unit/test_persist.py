@@ -12,17 +12,24 @@ import kvweave
 import kvweave.methods  # noqa: F401  (fills the registry)
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.cache import METHODS, parse_method
 from kvweave.persist import MANIFEST, TENSORS, CacheFileError, load_cache, read_manifest, save_cache
+from kvweave.registry import METHODS, parse_method
 
 NAMES = sorted(METHODS)
 
 
 def _continue(model, cache, ids, new_tokens=6):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, **{cache_kwarg(model): cache})
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **{cache_kwarg(model): cache},
+    )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -100,7 +107,10 @@ def test_missing_or_foreign_manifest_is_refused(saved, tmp_path):
     with pytest.raises(CacheFileError, match="not a saved kvweave cache"):
         load_cache(tmp_path / "empty", model)
     manifest = json.loads((folder / MANIFEST).read_text())
-    for change, message in (({"format_version": 99}, "version 99"), ({"format": "other"}, "not a kvweave cache")):
+    for change, message in (
+        ({"format_version": 99}, "version 99"),
+        ({"format": "other"}, "not a kvweave cache"),
+    ):
         bad = tmp_path / f"bad{len(message)}"
         bad.mkdir()
         (bad / MANIFEST).write_text(json.dumps({**manifest, **change}))
@@ -112,17 +122,44 @@ def test_missing_or_foreign_manifest_is_refused(saved, tmp_path):
         read_manifest(tmp_path / "garbled")
 
 
-def test_foreign_class_in_state_is_refused(saved, tmp_path):
-    """The state tree only rebuilds kvweave's own classes: a manifest naming another module is refused."""
-    model, folder = saved
-    manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["state"]["layers"][0]["__object__"] = "os:system"
-    bad = tmp_path / "kv"
+def _with_manifest(folder, tmp_path, manifest, name="kv"):
+    bad = tmp_path / name
     bad.mkdir()
     (bad / MANIFEST).write_text(json.dumps(manifest))
     (bad / TENSORS).write_bytes((folder / TENSORS).read_bytes())
-    with pytest.raises(CacheFileError, match="does not load"):
-        load_cache(bad, model)
+    return bad
+
+
+def test_foreign_class_in_state_is_refused(saved, tmp_path):
+    """The state tree only rebuilds kvweave's own saved-state classes: any other name is refused."""
+    model, folder = saved
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["state"]["layers"][0]["__object__"] = "os:system"
+    with pytest.raises(CacheFileError, match="layer 0 was saved as os:system"):
+        load_cache(_with_manifest(folder, tmp_path, manifest), model)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["state"]["context"] = {"__object__": "os:system", "id": 999, "state": {}}
+    with pytest.raises(CacheFileError, match="does not have"):
+        load_cache(_with_manifest(folder, tmp_path, manifest, "kv2"), model)
+
+
+def test_a_changed_field_list_is_refused(saved, tmp_path):
+    """A file whose object lacks a field (or has an extra one) is from another format: refused, not guessed."""
+    model, folder = saved
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["state"]["layers"][0]["state"]["renamed_field"] = manifest["state"]["layers"][0]["state"].pop(
+        "seen"
+    )
+    with pytest.raises(CacheFileError, match="expects"):
+        load_cache(_with_manifest(folder, tmp_path, manifest), model)
+
+
+def test_version_1_file_is_refused_with_how_to_regenerate(saved, tmp_path):
+    model, folder = saved
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["format_version"] = 1
+    with pytest.raises(CacheFileError, match="version 1 .*regenerate it: prefill the prompt again"):
+        load_cache(_with_manifest(folder, tmp_path, manifest), model)
 
 
 def test_empty_cache_and_other_objects_are_not_saved(tmp_path):

@@ -205,13 +205,16 @@ def test_csv_has_one_line_per_cell_with_speed_ratios(run_dir: Path, tmp_path: Pa
     rows = fake_rows()
     for line in lines:
         cell = [
-            r for r in rows
+            r
+            for r in rows
             if (r["method"], r["task"], r["context"]) == (line["method"], line["task"], int(line["context"]))
         ]
         assert line["run"] == "demo-tiny" and int(line["n"]) == len(cell) == 3
         assert float(line["accuracy"]) == pytest.approx(sum(r["score"] for r in cell) / 3)
         full = next(
-            r for r in lines if (r["method"], r["task"], r["context"]) == ("full", line["task"], line["context"])
+            r
+            for r in lines
+            if (r["method"], r["task"], r["context"]) == ("full", line["task"], line["context"])
         )
         assert float(line["speed_vs_full"]) == pytest.approx(
             float(line["decode_tok_s"]) / float(full["decode_tok_s"])
@@ -418,20 +421,21 @@ def test_demo_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
     from kvweave import demo
-    from kvweave.cache import METHODS, Method, option
+    from kvweave.registry import METHODS, Method, option
 
     @dataclasses.dataclass
     class Factor(Method):
         """A method whose ratio option is a compression factor."""
 
-        target_ratio: float = option(2.0, "compression factor to reach")
+        budget_options = {"target": "compression"}
+        target: float = option(2.0, "compression factor to reach")
 
         def __post_init__(self) -> None:
-            self.check_range("target_ratio", 1.0)
+            self.check_range("target", 1.0)
 
     Factor.name = "factor"
     monkeypatch.setitem(METHODS, "factor", Factor)
-    assert demo.method_spec("factor", {"ratio": 0.25}) == ("factor:target_ratio=4", "")
+    assert demo.method_spec("factor", {"ratio": 0.25}) == ("factor:target=4", "")
     assert demo.method_spec("window", {"ratio": 0.25}) == ("window:ratio=0.25", "")
     assert demo.method_spec("full", {}) == ("full", "")
     spec, note = demo.method_spec("no-such-method", {"ratio": 0.25})
@@ -543,3 +547,167 @@ def test_metric_note_names_scores_that_are_not_accuracy() -> None:
     assert note is not None and "code: mean edit similarity" in note and "qa_loogle: mean token F1" in note
     assert "passkey" not in note
     assert data.metric_note(["passkey", "niah_single"]) is None
+
+
+# ----------------------------------------------------------------------------------------- markdown guide
+
+
+def cell_rows(
+    method: str,
+    scores: dict[str, list[float]],
+    kept: float,
+    speed: float,
+    context: int = 4096,
+    model: str = "tiny",
+) -> list[dict]:
+    """Rows of one method: ``scores[task]`` one score per trial, ``kept`` of the 16-bit bytes held."""
+    full = 1000 * context
+    return [
+        {
+            "model": model,
+            "method": method,
+            "task": task,
+            "context": context,
+            "trial": trial,
+            "depth": 0.5,
+            "score": score,
+            "kv_bytes": int(full * kept),
+            "full_kv_bytes": full,
+            "prefill_s": 1.0,
+            "decode_tok_s": speed,
+            "key": f"{method}|{task}|{context}|{trial}",
+        }
+        for task, task_scores in scores.items()
+        for trial, score in enumerate(task_scores)
+    ]
+
+
+def guide_of(rows: list[dict]) -> str:
+    from kvweave.report import markdown
+    from kvweave.report.data import Run
+
+    text = markdown.render([Run(Path("synthetic"), rows)])
+    return text.split("## Which method for which need", 1)[1].split("\n## ", 1)[0]
+
+
+def headings(text: str) -> list[str]:
+    """Each heading's GitHub anchor, computed here independently (outside code fences)."""
+    anchors, seen, fenced = [], {}, False
+    for line in text.splitlines():
+        fenced = fenced != line.startswith("```")
+        if not fenced and line.startswith("#"):
+            slug = "".join(c for c in line.lstrip("#").strip().lower() if c.isalnum() or c in "-_ ")
+            slug = slug.replace(" ", "-")
+            anchors.append(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_markdown_opens_with_a_contents_list(run_dir: Path, tmp_path: Path) -> None:
+    import re
+
+    ppl_dir = write_ppl_run(tmp_path / "ppl-tiny")
+    md = tmp_path / "s.md"
+    write_report([run_dir, ppl_dir], tmp_path / "r.html", markdown=md)
+    text = md.read_text()
+    assert text.startswith("# kvweave results\n")
+    contents = text.split("**Contents**", 1)[1].split("\n## ", 1)[0]
+    assert text.index("**Contents**") < text.index("## Which method for which need")
+    assert "- [Which method for which need](#which-method-for-which-need)\n" in contents
+    assert (
+        "- [Results by context length](#results-by-context-length): [1K tokens](#1k-tokens) \u00b7 "
+        in contents
+    )
+    assert "- [Perplexity](#perplexity)\n" in contents
+    assert "- [Runs](#runs): [demo-tiny](#demo-tiny) \u00b7 [ppl-tiny](#ppl-tiny)" in contents
+    # every link points at a heading, and every section heading is listed
+    links = re.findall(r"\]\(#([^)]+)\)", contents)
+    anchors = headings(text)
+    assert set(links) <= set(anchors)
+    assert set(anchors) - set(links) == {"kvweave-results"}
+    # the tables by length are there as before
+    assert "### 1K tokens" in text and "### 2K tokens" in text
+
+
+def test_markdown_anchor_follows_github() -> None:
+    from kvweave.report import markdown
+
+    seen: dict[str, int] = {}
+    assert markdown.anchor("16K tokens", seen) == "16k-tokens"
+    assert markdown.anchor("Perplexity at 8x (`ppl-4k`)", seen) == "perplexity-at-8x-ppl-4k"
+    assert markdown.anchor("h2o-keyformer_pi 4k", seen) == "h2o-keyformer_pi-4k"
+    assert markdown.anchor("16K tokens", seen) == "16k-tokens-1"
+    assert markdown.anchor("16K tokens", seen) == "16k-tokens-2"
+
+
+def test_guide_picks_the_most_compression_within_five_points() -> None:
+    rows = cell_rows("full", {"passkey": [1, 1, 1, 1], "niah_single": [1, 1, 1, 1]}, 2.0, 10.0)
+    # 4x, mean 95 vs 100: exactly 5 points below, qualifies
+    rows += cell_rows(
+        "window:ratio=0.25", {"passkey": [1, 1, 1, 1], "niah_single": [1, 1, 1, 0.6]}, 0.25, 12.0
+    )
+    # 8x, mean 87.5: out; 2x, no loss: qualifies with less compression
+    rows += cell_rows(
+        "keydiff:ratio=0.125", {"passkey": [1, 1, 1, 1], "niah_single": [1, 1, 0, 1]}, 0.125, 15.0
+    )
+    rows += cell_rows("quant", {"passkey": [1, 1, 1, 1], "niah_single": [1, 1, 1, 1]}, 0.5, 9.0)
+    # shares only passkey with full, scores 100 there, but holds more bytes than full: never "compression"
+    rows += cell_rows("dkcache", {"passkey": [1, 1]}, 3.0, 11.0)
+    guide = guide_of(rows)
+    assert "is at most 5 points below `full`'s mean over the same tasks" in guide  # the rule is stated
+    assert (
+        "- **Most compression at no loss:** `window:ratio=0.25` at 4.00x, mean score 95.0% over the 2 tasks it "
+        "shares with `full` (8 trials) vs `full`'s 100.0% (8 trials); its largest single-task drop: "
+        "niah_single 100% (4) \u2192 90% (4)." in guide
+    )
+    assert (
+        "- **Fastest decode:** `keydiff:ratio=0.125`, decoding at 1.50x the speed of `full` (median of 2 cells, "
+        "one per run and task; 8 trials), mean score 87.5% over the 2 tasks it shares with `full` (8 trials) "
+        "vs `full`'s 100.0% (8 trials)." in guide
+    )
+    # tiny is not in the registry: nothing says how far it was trained, so the line says it is skipped
+    assert "- **Beyond the trained context:** skipped: nothing in the rows or kvweave's registry" in guide
+    assert "No rows lie beyond their model's trained context." in guide
+
+
+def test_guide_says_when_no_method_qualifies() -> None:
+    rows = cell_rows("full", {"passkey": [1, 1, 1], "niah_single": [1, 1, 1]}, 2.0, 10.0)
+    rows += cell_rows("window:ratio=0.25", {"passkey": [1, 0, 0], "niah_single": [0, 0, 0]}, 0.25, 12.0)
+    rows += cell_rows("snapkv:ratio=0.25", {"passkey": [1, 1, 1], "niah_single": [1, 0, 0]}, 0.25, 11.0)
+    guide = guide_of(rows)
+    assert (
+        "- **Most compression at no loss:** no method qualifies: none that holds fewer bytes than `full` "
+        "(0.50x) keeps its mean score within 5 points of `full`'s; the closest is `snapkv:ratio=0.25` at 4.00x, "
+        "mean score 66.7% over the 2 tasks it shares with `full` (6 trials) vs `full`'s 100.0% (6 trials)."
+        in guide
+    )
+    only_full = guide_of(
+        cell_rows("full", {"passkey": [1]}, 2.0, 10.0) + cell_rows("dkcache", {"passkey": [1]}, 2.5, 9.0)
+    )
+    assert "no method qualifies: no method here holds fewer bytes than `full` (0.50x)." in only_full
+    no_full = guide_of(cell_rows("window:ratio=0.25", {"passkey": [1]}, 0.25, 12.0))
+    assert "- **Most compression at no loss:** no `full` rows at this length to compare against." in no_full
+    assert "- **Fastest decode:** no decode speed measured against `full` at this length." in no_full
+
+
+def test_guide_beyond_the_trained_context_per_model_and_length() -> None:
+    # smollm2-135m is trained to 8K (registry): 16K rows lie beyond it, 4K rows do not
+    rows = cell_rows("full", {"passkey": [0, 0, 0, 0]}, 2.0, 5.0, context=16384, model="smollm2-135m")
+    rows += cell_rows("dkcache", {"passkey": [1, 1, 0, 0]}, 2.2, 4.0, context=16384, model="smollm2-135m")
+    rows += cell_rows(
+        "window:ratio=0.25", {"passkey": [1, 0, 0, 0]}, 0.25, 6.0, context=16384, model="smollm2-135m"
+    )
+    rows += cell_rows("full", {"passkey": [1, 1]}, 2.0, 5.0, context=4096, model="smollm2-135m")
+    guide = guide_of(rows)
+    assert "**[4K tokens](#4k-tokens)** (smollm2-135m)" in guide
+    assert "**[16K tokens](#16k-tokens)** (smollm2-135m)" in guide
+    assert (
+        "- **Beyond the trained context:** no such rows at this length (smollm2-135m is trained to 8K)."
+        in guide
+    )
+    assert (
+        "- **Beyond the trained context:** smollm2-135m is trained to 8K, these rows run 2x past it: `dkcache` "
+        "(best of 2 methods tried), mean score 50.0% on passkey (4 trials) vs `full`'s 0.0% (4 trials); "
+        "compression 0.45x, decode 0.80x `full`." in guide
+    )
+    assert "No rows lie beyond" not in guide

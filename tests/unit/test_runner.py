@@ -129,8 +129,11 @@ def test_resuming_with_other_samples_is_refused(
 ) -> None:
     config = small_config()
     assert runner.plan(config)[0].task == "passkey"
-    full_rows = {**stub_row(config, runner.plan(config)[0]), "question_aware": False,
-                 "max_new_tokens": task_lib.TASKS["passkey"].max_new_tokens}
+    full_rows = {
+        **stub_row(config, runner.plan(config)[0]),
+        "question_aware": False,
+        "max_new_tokens": task_lib.TASKS["passkey"].max_new_tokens,
+    }
     with pytest.raises(KeyboardInterrupt):
         run_with(StubTrials(stop_after=3), stubs, config, tmp_path)
     rows_path = tmp_path / "rows.jsonl"
@@ -151,8 +154,11 @@ def test_extending_a_run_with_tasks_lengths_and_methods_is_allowed(
 ) -> None:
     config = small_config()
     run_with(StubTrials(), stubs, config, tmp_path)
-    wider = small_config(tasks=["passkey", "niah_single", "vt"], contexts=[128, 256, 512],
-                         methods=["full", "window:ratio=0.25", "window:ratio=0.5"])
+    wider = small_config(
+        tasks=["passkey", "niah_single", "vt"],
+        contexts=[128, 256, 512],
+        methods=["full", "window:ratio=0.25", "window:ratio=0.5"],
+    )
     extra = StubTrials()
     rows = run_with(extra, stubs, wider, tmp_path)
     assert len(extra.keys) == len(runner.plan(wider)) - 16 and len(rows) == len(runner.plan(wider))
@@ -302,13 +308,19 @@ def test_config_haystack_applies_to_tasks_that_take_it() -> None:
     cfg = small_config(tasks=["passkey", "cwe", "fwe"], haystack="essays")
     assert cfg.haystack_for("passkey") == "essays"
     assert cfg.haystack_for("cwe") is None and cfg.haystack_for("fwe") is None
-    with pytest.raises(ValueError, match=r"no task of this run takes haystack 'essays'.*'cwe': \('wordlist',\)"):
+    with pytest.raises(
+        ValueError, match=r"no task of this run takes haystack 'essays'.*'cwe': \('wordlist',\)"
+    ):
         small_config(tasks=["cwe"], haystack="essays")
 
 
-def test_config_missing_task_data_fails_before_loading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_missing_task_data_fails_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("KVWEAVE_DATA", raising=False)
-    with pytest.raises(FileNotFoundError, match=r"task 'qa_quality' needs 'leval/quality.jsonl'.*none is configured"):
+    with pytest.raises(
+        FileNotFoundError, match=r"task 'qa_quality' needs 'leval/quality.jsonl'.*none is configured"
+    ):
         small_config(tasks=["qa_quality"])
     with pytest.raises(FileNotFoundError, match=r"not found under .*pass --data DIR"):
         small_config(tasks=["qa_loogle"], data_dir=str(tmp_path))

@@ -31,7 +31,9 @@ def test_entropy_in_nats_and_ignores_masked_tokens():
 
 
 def test_linear_rule_above_threshold():
-    processor = EntropyTemperatureProcessor(base_temperature=1.0, beta=0.2, threshold=1.6, min_temperature=0.5)
+    processor = EntropyTemperatureProcessor(
+        base_temperature=1.0, beta=0.2, threshold=1.6, min_temperature=0.5
+    )
     scores = _scores_with_entropy(2.41)  # the seed's 128K entropy
     out = processor(torch.zeros(1, 3, dtype=torch.long), scores)
     temperature = 1.0 - 0.2 * (2.41 - 1.6)
@@ -40,7 +42,9 @@ def test_linear_rule_above_threshold():
 
 
 def test_below_threshold_keeps_base_and_clamps_apply():
-    processor = EntropyTemperatureProcessor(base_temperature=0.9, beta=2.0, threshold=1.6, min_temperature=0.4)
+    processor = EntropyTemperatureProcessor(
+        base_temperature=0.9, beta=2.0, threshold=1.6, min_temperature=0.4
+    )
     low, high = _scores_with_entropy(1.0), _scores_with_entropy(3.5)
     processor(None, torch.cat([low, high]))
     step = processor.trace[0]
@@ -66,15 +70,18 @@ def test_trace_per_step_and_row_then_reset():
     assert processor.trace == []
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"base_temperature": 0.0}, "base_temperature"),
-    ({"min_temperature": 1.5}, "min_temperature"),
-    ({"min_temperature": 0.0}, "min_temperature"),
-    ({"beta": -0.1}, "beta"),
-    ({"threshold": -1.0}, "threshold"),
-    ({"mode": "cosine"}, "mode"),
-    ({"step_temperature": 0.0}, "step_temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"base_temperature": 0.0}, "base_temperature"),
+        ({"min_temperature": 1.5}, "min_temperature"),
+        ({"min_temperature": 0.0}, "min_temperature"),
+        ({"beta": -0.1}, "beta"),
+        ({"threshold": -1.0}, "threshold"),
+        ({"mode": "cosine"}, "mode"),
+        ({"step_temperature": 0.0}, "step_temperature"),
+    ],
+)
 def test_invalid_settings_rejected(kwargs, name):
     with pytest.raises(ValueError, match=name):
         EntropyTemperatureProcessor(**kwargs)
@@ -87,5 +94,7 @@ def test_works_inside_generate():
     processor = EntropyTemperatureProcessor()
     ids = torch.randint(3, 150, (2, 10))
     torch.manual_seed(0)
-    out = model.generate(ids, do_sample=True, max_new_tokens=4, min_new_tokens=4, logits_processor=[processor])
+    out = model.generate(
+        ids, do_sample=True, max_new_tokens=4, min_new_tokens=4, logits_processor=[processor]
+    )
     assert out.shape == (2, 14) and len(processor.trace) == 4

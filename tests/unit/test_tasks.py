@@ -412,7 +412,9 @@ def test_real_tokenizer_lengths_and_depth() -> None:
 
 # -- long-document QA and code -----------------------------------------------------------------------
 
-STORY = "Title {n}\n\n" + "\n\n".join("Paragraph {p} of story {n} tells of ships and {n} sailors." for p in range(30))
+STORY = "Title {n}\n\n" + "\n\n".join(
+    "Paragraph {p} of story {n} tells of ships and {n} sailors." for p in range(30)
+)
 
 
 def _qa_data(root: Path) -> Path:
@@ -432,7 +434,10 @@ def _qa_data(root: Path) -> Path:
     article = " ".join(f"Sentence {i} says nothing much." for i in range(3000))
     evidence = "The harbour was built in 1871 by the Danes."
     article = article[: len(article) // 2] + " " + evidence + " " + article[len(article) // 2 :]
-    pairs = [{"Q": "When was the harbour built?", "A": "In 1871.", "S": evidence}, {"Q": "x", "A": "y", "S": "absent"}]
+    pairs = [
+        {"Q": "When was the harbour built?", "A": "In 1871.", "S": evidence},
+        {"Q": "x", "A": "y", "S": "absent"},
+    ]
     (root / "loogle" / "shortdep_qa.jsonl").write_text(
         json.dumps({"input": article, "title": "Harbour", "qa_pairs": repr(pairs), "output": "none"}) + "\n"
     )
@@ -489,7 +494,14 @@ def test_code_target_calls_a_far_definition(tok: WordTok) -> None:
 
 
 def test_code_lines_skip_strings_and_comments(tmp_path: Path) -> None:
-    src = ["def helper(x):", "    return x", *["pass"] * 50, '"""', "    value = helper(1) + helper(2)", '"""']
+    src = [
+        "def helper(x):",
+        "    return x",
+        *["pass"] * 50,
+        '"""',
+        "    value = helper(1) + helper(2)",
+        '"""',
+    ]
     src += ["# value = helper(3) + helper(4)", "    result = helper(5) + other(6)", "    z = obj.helper(7)"]
     path = tmp_path / "m.py"
     path.write_text("\n".join(src) + "\n")

@@ -19,11 +19,14 @@ from typing import Any
 import torch
 
 from kvweave._compat import cache_kwarg
-from kvweave.cache import make_cache, parse_method
+from kvweave.cache import make_cache
 from kvweave.eval import tasks as task_lib
+from kvweave.registry import parse_method
 
 
-def window_nll(model: Any, ids: list[int], method: str, target: int, stepwise: bool = False) -> dict[str, Any]:
+def window_nll(
+    model: Any, ids: list[int], method: str, target: int, stepwise: bool = False
+) -> dict[str, Any]:
     """Mean negative log-likelihood of the last ``target`` tokens of ``ids`` given the compressed rest.
 
     The scored tokens go through the cache in one forward pass, or with ``stepwise`` one token per forward
@@ -154,7 +157,11 @@ def summarize_perplexity(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         setting = (
-            row.get("model"), row.get("corpus"), row.get("window"), row.get("target"), row.get("stepwise", False)
+            row.get("model"),
+            row.get("corpus"),
+            row.get("window"),
+            row.get("target"),
+            row.get("stepwise", False),
         )
         groups.setdefault((*setting, row["method"]), []).append(row)
     summary = []

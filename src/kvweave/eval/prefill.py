@@ -20,7 +20,8 @@ import torch
 
 from kvweave._compat import cache_kwarg
 from kvweave.attention import kvweave_attention, prepare
-from kvweave.cache import CompressedLayer, KVCache, Method
+from kvweave.cache import CompressedLayer, KVCache
+from kvweave.registry import Method
 
 
 @dataclasses.dataclass
@@ -56,7 +57,7 @@ class _RecordingLayer(CompressedLayer):
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        steps: dict[int, LayerStep] = self.cache.shared.setdefault("steps", {})
+        steps: dict[int, LayerStep] = self.cache.context.recorded
         steps[self.layer_idx] = LayerStep(module, query, key, value, attention_mask, dict(kwargs))
         return super().attend(module, query, key, value, attention_mask, **kwargs)
 
@@ -80,7 +81,7 @@ def record_prefill(
             logits_to_keep=1,
             **{cache_kwarg(model): cache},
         )
-    steps: dict[int, LayerStep] = cache.shared["steps"]
+    steps: dict[int, LayerStep] = cache.context.recorded
     recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]] = []
     for idx in range(len(cache.layers)):
         recorded.append(steps[idx] if idx in steps else plain[idx])

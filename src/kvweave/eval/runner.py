@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from kvweave._compat import TRANSFORMERS_VERSION, cache_kwarg
-from kvweave.cache import make_cache, parse_method
+from kvweave.cache import make_cache
 from kvweave.eval import tasks as task_lib
+from kvweave.registry import parse_method
 
 
 @dataclasses.dataclass
@@ -63,7 +64,9 @@ class EvalConfig:
             parse_method(spec)  # validates names and options before any model is loaded
         if self.haystack is not None and not any(self.haystack_for(t) for t in self.tasks):
             takes = {t: task_lib.TASKS[t].haystacks for t in self.tasks}
-            raise ValueError(f"no task of this run takes haystack {self.haystack!r}; haystacks by task: {takes}")
+            raise ValueError(
+                f"no task of this run takes haystack {self.haystack!r}; haystacks by task: {takes}"
+            )
         for task in self.tasks:  # missing data files fail here, not after the model has loaded
             spec_t = task_lib.TASKS[task]
             root = task_lib.resolve_data_dir(self.data_dir)
@@ -157,7 +160,7 @@ class FirstLineDone:
         self.tokenizer, self.prompt_tokens = tokenizer, prompt_tokens
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        text = self.tokenizer.decode(input_ids[0, self.prompt_tokens:].tolist(), skip_special_tokens=True)
+        text = self.tokenizer.decode(input_ids[0, self.prompt_tokens :].tolist(), skip_special_tokens=True)
         done = task_lib.first_line_complete(text)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
@@ -393,7 +396,9 @@ def sample_mismatch(row: dict[str, Any], trial: Trial, config: EvalConfig) -> li
         if name in row and row[name] != value
     ]
     if "depth" in row and abs(float(row["depth"]) - trial.depth) > 1e-3:
-        found.append(f"depth {row['depth']} (this command: {round(trial.depth, 3)}; --trials changes the depths)")
+        found.append(
+            f"depth {row['depth']} (this command: {round(trial.depth, 3)}; --trials changes the depths)"
+        )
     return found
 
 

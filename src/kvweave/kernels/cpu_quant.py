@@ -243,8 +243,10 @@ def load() -> Any | None:
         )
     except Exception as exc:  # no compiler, no ninja, unsupported platform: report and use the torch path
         _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        warnings.warn(f"kvweave: the C++ quant kernel could not be built ({_reason}); using the torch path",
-                      stacklevel=2)
+        warnings.warn(
+            f"kvweave: the C++ quant kernel could not be built ({_reason}); using the torch path",
+            stacklevel=2,
+        )
         return None
 
 
@@ -260,21 +262,41 @@ def _module() -> Any:
     return module
 
 
-def block_logits(query: torch.Tensor, key_codes: torch.Tensor, key_scale: torch.Tensor, key_min: torch.Tensor,
-                 bits: int, scaling: float) -> torch.Tensor:
+def block_logits(
+    query: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_min: torch.Tensor,
+    bits: int,
+    scaling: float,
+) -> torch.Tensor:
     """``scaling * q·k`` over quantized key blocks (shapes as :class:`kvweave.methods.quant.Blocks`;
     ``query: [B, H, R, D]``) -> ``[B, H, R, n*G]`` float32."""
     b, h, n, _, _ = key_codes.shape
-    return _module().quant_logits(query.float().contiguous(), key_codes.contiguous(),
-                                  key_scale.float().reshape(b, h, n, -1).contiguous(),
-                                  key_min.float().reshape(b, h, n, -1).contiguous(), bits, float(scaling))
+    return _module().quant_logits(
+        query.float().contiguous(),
+        key_codes.contiguous(),
+        key_scale.float().reshape(b, h, n, -1).contiguous(),
+        key_min.float().reshape(b, h, n, -1).contiguous(),
+        bits,
+        float(scaling),
+    )
 
 
-def weighted_values(weights: torch.Tensor, value_codes: torch.Tensor, value_scale: torch.Tensor,
-                    value_min: torch.Tensor, bits: int) -> torch.Tensor:
+def weighted_values(
+    weights: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_min: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
     """``weights @ values`` of quantized value blocks without dequantizing them: ``weights: [B, H, R, n*G]``,
     ``value_codes: [B, H, n, G, W]``, ``value_scale, value_min: [B, H, n, G, D/cg]`` -> ``[B, H, R, D]``."""
     b, h, n, g, w = value_codes.shape
-    return _module().quant_values(weights.float().contiguous(), value_codes.reshape(b, h, n * g, w).contiguous(),
-                                  value_scale.float().reshape(b, h, n * g, -1).contiguous(),
-                                  value_min.float().reshape(b, h, n * g, -1).contiguous(), bits)
+    return _module().quant_values(
+        weights.float().contiguous(),
+        value_codes.reshape(b, h, n * g, w).contiguous(),
+        value_scale.float().reshape(b, h, n * g, -1).contiguous(),
+        value_min.float().reshape(b, h, n * g, -1).contiguous(),
+        bits,
+    )

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvweave.cache import CompressedLayer, Method
+from kvweave.cache import CompressedLayer
 from kvweave.ops.masking import visible_mask
+from kvweave.registry import Method
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -39,8 +40,13 @@ def budget_per_row(ratio: float | None, budget: int, real_tokens: torch.Tensor) 
     return (real_tokens.double() * ratio).floor().to(real_tokens.dtype).clamp(min=1)
 
 
-def select_keep(priority: torch.Tensor, pad: torch.Tensor, budget: torch.Tensor, count: int,
-                protected: torch.Tensor | None = None) -> torch.Tensor:
+def select_keep(
+    priority: torch.Tensor,
+    pad: torch.Tensor,
+    budget: torch.Tensor,
+    count: int,
+    protected: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[B, H, count]`` indices of the entries to keep.
 
     ``priority: [B, H, T]`` (higher = keep), ``pad: [B, H, T]`` True for padding entries, ``budget: [B]`` real
@@ -63,18 +69,23 @@ def select_keep(priority: torch.Tensor, pad: torch.Tensor, budget: torch.Tensor,
     return (tier * t + rank).argsort(dim=-1, stable=True)[..., :count]
 
 
-def gumbel_noise(seed: int, layer: int, head: torch.Tensor, query_index: torch.Tensor,
-                 key_index: torch.Tensor) -> torch.Tensor:
+def gumbel_noise(
+    seed: int, layer: int, head: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor
+) -> torch.Tensor:
     """Gumbel(0, 1) noise from a counter-based hash of (seed, layer, query head, query token, key token).
 
     Indices are broadcast together (non-negative ints). The same token pair gets the same noise whatever
     the batch layout, so a padded batch row equals its single-row run and reruns are reproducible.
     """
-    x = _mix(torch.tensor((seed * 1_000_003 + layer) & 0xFFFFFFFF, dtype=torch.int64, device=key_index.device))
+    x = _mix(
+        torch.tensor((seed * 1_000_003 + layer) & 0xFFFFFFFF, dtype=torch.int64, device=key_index.device)
+    )
     x = _mix(x ^ head.to(torch.int64))
     x = _mix(x ^ query_index.to(torch.int64))
     x = _mix(x ^ key_index.to(torch.int64))  # the only full-size step: in-place ops below
-    uniform = (x >> 8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))  # 24 bits: exact in float32, in (0, 1)
+    uniform = (
+        (x >> 8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))
+    )  # 24 bits: exact in float32, in (0, 1)
     return uniform.log_().neg_().log_().neg_()
 
 
@@ -94,15 +105,23 @@ class EvictingLayer(CompressedLayer):
     """
 
     entry_state: ClassVar[tuple[str, ...]] = ()
+    state_fields = CompressedLayer.state_fields + ("budget", "scaling")
 
     def __init__(self, cache: KVCache, layer_idx: int) -> None:
         super().__init__(cache, layer_idx)
         self.method: Any = cache.method
         self.budget = torch.empty(0, dtype=torch.int64)  # [B] real entries each row keeps (set at prefill)
-        self.scaling: float = cache.head_dim ** -0.5  # the model's own, from the first attention call
+        self.scaling: float = cache.head_dim**-0.5  # the model's own, from the first attention call
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         self.scaling = kwargs.get("scaling") or self.scaling
         return super().attend(module, query, key, value, attention_mask, **kwargs)
 
@@ -123,7 +142,7 @@ class EvictingLayer(CompressedLayer):
         """``[B, 1, T]`` True for each row's latest ``fraction`` of its budget (held in token order)."""
         t = self.entries()
         count = (self.budget.double() * fraction).floor().to(torch.int64)
-        return (torch.arange(t, device=self.device).view(1, 1, -1) >= (t - count).view(-1, 1, 1))
+        return torch.arange(t, device=self.device).view(1, 1, -1) >= (t - count).view(-1, 1, 1)
 
     def over_budget(self) -> bool:
         """Whether any row holds more than the batch's largest budget."""
@@ -151,9 +170,14 @@ class EvictingLayer(CompressedLayer):
         pads = self.pad_count if self.pad_count is not None else torch.zeros(self.rows, device=self.device)
         return index >= pads.view(-1, 1)
 
-    def attention_received(self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int,
-                           logits_hook: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
-                           elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    def attention_received(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        first: int,
+        logits_hook: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
+        elements: int = CHUNK_ELEMENTS,
+    ) -> torch.Tensor:
         """``[B, H, T]`` float32: attention each held entry receives from the real queries ``query``.
 
         ``query: [B, Hq, q, D]`` are tokens ``first .. first+q-1``; the weights are summed over the queries
@@ -176,8 +200,12 @@ class EvictingLayer(CompressedLayer):
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
             width = min(t, first + stop) if ordered else t
-            logits = torch.einsum("bhgqd,bhtd->bhgqt", grouped[:, :, :, start:stop].float(),
-                                  keys[:, :, :width].float()) * self.scaling
+            logits = (
+                torch.einsum(
+                    "bhgqd,bhtd->bhgqt", grouped[:, :, :, start:stop].float(), keys[:, :, :width].float()
+                )
+                * self.scaling
+            )
             if logits_hook is not None:
                 logits = logits_hook(logits, start, stop - start)
             mask = attention_mask[:, :, start:stop] if attention_mask is not None else None

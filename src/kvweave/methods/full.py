@@ -10,7 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kvweave._compat import CacheLayerMixin, DynamicLayer
-from kvweave.cache import Method, register
+from kvweave.registry import Method, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache

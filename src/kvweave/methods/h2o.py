@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvweave.cache import Method, option, register
 from kvweave.methods._eviction import EvictingLayer, check_budget
+from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -34,9 +34,14 @@ class H2O(Method):
 
     evicts = True
     bounded_memory = True
+    budget_options = {"ratio": "held fraction", "budget": "held tokens"}
     test_options = {"ratio": 0.4, "recent": 0.5}
-    invalid_options = (({"budget": 0}, "budget"), ({"ratio": 1.5}, "ratio"), ({"ratio": 0.0}, "ratio"),
-                       ({"recent": 1.5}, "recent"))
+    invalid_options = (
+        ({"budget": 0}, "budget"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"ratio": 0.0}, "ratio"),
+        ({"recent": 1.5}, "recent"),
+    )
 
     def __post_init__(self) -> None:
         check_budget(self)
@@ -48,6 +53,8 @@ class H2O(Method):
 
 class H2OLayer(EvictingLayer):
     """Exact entries with their accumulated attention ``scores: [B, H, T]`` (float32)."""
+
+    state_fields = EvictingLayer.state_fields + ("scores",)
 
     entry_state = ("scores",)
 
@@ -62,5 +69,7 @@ class H2OLayer(EvictingLayer):
         if first == 0 or self.scores is None:
             self.scores = torch.zeros(self.rows, self.keys.shape[1], 0, device=self.device)
         new = torch.zeros(self.rows, self.keys.shape[1], q_len, device=self.device)
-        self.scores = torch.cat([self.scores, new], dim=2) + self.attention_received(query, attention_mask, first)
+        self.scores = torch.cat([self.scores, new], dim=2) + self.attention_received(
+            query, attention_mask, first
+        )
         self.evict(self.scores, protected=self.recent(self.method.recent))

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvweave.cache import Method, option, register
 from kvweave.methods._eviction import EvictingLayer, check_budget
+from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -35,6 +35,7 @@ class KeyDiff(Method):
 
     evicts = True
     bounded_memory = True
+    budget_options = {"ratio": "held fraction", "budget": "held tokens"}
     test_options = {"budget": 16}
     invalid_options = (({"budget": 0}, "budget"), ({"ratio": 1.5}, "ratio"), ({"ratio": -0.5}, "ratio"))
 

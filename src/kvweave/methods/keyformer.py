@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvweave.cache import Method, option, register
 from kvweave.methods._eviction import CHUNK_ELEMENTS, EvictingLayer, check_budget, gumbel_noise
+from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -42,10 +42,17 @@ class Keyformer(Method):
 
     evicts = True
     bounded_memory = True
+    budget_options = {"ratio": "held fraction", "budget": "held tokens"}
     test_options = {"ratio": 0.4}
-    invalid_options = (({"budget": 0}, "budget"), ({"ratio": 1.5}, "ratio"), ({"recent": -0.1}, "recent"),
-                       ({"tau_init": 0.0}, "tau_init"), ({"tau_end": 0.0}, "tau_end"), ({"steps": 0}, "steps"),
-                       ({"seed": -1}, "seed"))
+    invalid_options = (
+        ({"budget": 0}, "budget"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"recent": -0.1}, "recent"),
+        ({"tau_init": 0.0}, "tau_init"),
+        ({"tau_end": 0.0}, "tau_end"),
+        ({"steps": 0}, "steps"),
+        ({"seed": -1}, "seed"),
+    )
 
     def __post_init__(self) -> None:
         check_budget(self)
@@ -61,6 +68,8 @@ class Keyformer(Method):
 
 class KeyformerLayer(EvictingLayer):
     """Exact entries with their accumulated Gumbel-softmax ``scores: [B, H, T]`` (float32)."""
+
+    state_fields = EvictingLayer.state_fields + ("prompt_tokens", "scores")
 
     entry_state = ("scores",)
 
@@ -78,8 +87,9 @@ class KeyformerLayer(EvictingLayer):
             self.scores = torch.zeros(self.rows, self.keys.shape[1], 0, device=self.device)
         new = torch.zeros(self.rows, self.keys.shape[1], q_len, device=self.device)
         # the noise hash works on int64 tensors the size of the logits: smaller chunks
-        received = self.attention_received(query, attention_mask, first, self.gumbel_hook(first),
-                                           elements=CHUNK_ELEMENTS // 8)
+        received = self.attention_received(
+            query, attention_mask, first, self.gumbel_hook(first), elements=CHUNK_ELEMENTS // 8
+        )
         self.scores = torch.cat([self.scores, new], dim=2) + received
         self.evict(self.scores, protected=self.recent(self.method.recent))
 
@@ -95,7 +105,9 @@ class KeyformerLayer(EvictingLayer):
             query_index = torch.arange(first + start, first + start + rows, device=self.device)
             query_index = (query_index.view(1, 1, 1, -1, 1) - pads).clamp(min=0)  # [B, 1, 1, rows, 1]
             head = torch.arange(h * g, device=self.device).view(1, h, g, 1, 1)
-            noise = gumbel_noise(method.seed, self.layer_idx, head, query_index, key_index[..., :logits.shape[-1]])
+            noise = gumbel_noise(
+                method.seed, self.layer_idx, head, query_index, key_index[..., : logits.shape[-1]]
+            )
             # decode step of each query: 0 for prompt tokens, 1 for the first generated token, ...
             step = (query_index - self.prompt_tokens.view(-1, 1, 1, 1, 1) + 1).clamp(min=0)
             progress = (step.float() / method.steps).clamp(max=1.0)

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvweave.cache import CompressedLayer, Method, option, register
+from kvweave.cache import CompressedLayer
+from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -44,13 +45,17 @@ class PositionInterpolation(Method):
         return InterpolatedLayer(cache, layer_idx)
 
 
-def rerotate(rotary: Any, x: torch.Tensor, positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+def rerotate(
+    rotary: Any, x: torch.Tensor, positions: torch.Tensor, new_positions: torch.Tensor
+) -> torch.Tensor:
     """Post-RoPE ``x: [B, H, T, D]`` at ``positions: [B, T]`` rotated to ``new_positions`` (one rounding)."""
     pre = rotary.unrotate(x.float(), positions)
     return rotary.rotate(pre, new_positions).to(x.dtype)
 
 
-def token_positions(kwargs: dict[str, Any], first: int, q_len: int, rows: int, device: torch.device) -> torch.Tensor:
+def token_positions(
+    kwargs: dict[str, Any], first: int, q_len: int, rows: int, device: torch.device
+) -> torch.Tensor:
     """``[B, q]`` RoPE positions of the new tokens (the model's ``position_ids``, else ``first ..``)."""
     positions = kwargs.get("position_ids")
     if positions is None:
@@ -61,8 +66,15 @@ def token_positions(kwargs: dict[str, Any], first: int, q_len: int, rows: int, d
 class InterpolatedLayer(CompressedLayer):
     """Exact entries whose keys are stored at the interpolated positions."""
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         rotary = self.cache.rotary_for(self.layer_idx)
         positions = token_positions(kwargs, self.seen, key.shape[2], self.rows, key.device)
         new_positions = positions.float() / typing.cast(PositionInterpolation, self.cache.method).factor

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvweave._compat import sdpa_attention
-from kvweave.cache import CompressedLayer, Method, option, register, tensors_nbytes
+from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.kernels import cpu_quant
 from kvweave.ops.attention import OnlineSoftmax
 from kvweave.ops.masking import prompt_padding, visible_mask
@@ -44,6 +44,8 @@ from kvweave.ops.quantize import (
     unpack_codes,
     unpack_codes_split,
 )
+from kvweave.registry import Method, option, register
+from kvweave.state import Stateful
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -58,12 +60,20 @@ class Quant(Method):
     group: int = option(32, "tokens per key block and channels per value group")
     residual: int = option(128, "most recent tokens kept exact")
     chunk: int = option(4096, "tokens dequantized at a time during attention")
-    kernel: str = option("auto", "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'torch' "
-                                 "(the reference), or 'auto' (cpp on CPU when it builds, else torch)")
+    kernel: str = option(
+        "auto",
+        "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'torch' "
+        "(the reference), or 'auto' (cpp on CPU when it builds, else torch)",
+    )
 
+    budget_options = {"bits": "bits"}
     test_options = {"bits": 4, "group": 8, "residual": 8, "chunk": 16}
-    invalid_options = (({"bits": 3}, "bits"), ({"group": 0}, "group"), ({"residual": -1}, "residual"),
-                       ({"chunk": 0}, "chunk"))
+    invalid_options = (
+        ({"bits": 3}, "bits"),
+        ({"group": 0}, "group"),
+        ({"residual": -1}, "residual"),
+        ({"chunk": 0}, "chunk"),
+    )
 
     def __post_init__(self) -> None:
         self.check_choice("bits", [8, 4, 2])
@@ -76,11 +86,15 @@ class Quant(Method):
         head_dim = cache.head_dim
         channel_group = min(self.group, head_dim)
         if self.group % (8 // self.bits):
-            raise ValueError(f"{self.name}: option group={self.group!r} with bits={self.bits} must be a multiple of "
-                             f"{8 // self.bits} (key codes are packed {8 // self.bits} tokens per byte)")
+            raise ValueError(
+                f"{self.name}: option group={self.group!r} with bits={self.bits} must be a multiple of "
+                f"{8 // self.bits} (key codes are packed {8 // self.bits} tokens per byte)"
+            )
         if head_dim % channel_group or head_dim % (8 // self.bits):
-            raise ValueError(f"{self.name}: option group={self.group!r} with bits={self.bits} does not fit head_dim "
-                             f"{head_dim}; use a group that divides it (e.g. 32, 64 or {head_dim})")
+            raise ValueError(
+                f"{self.name}: option group={self.group!r} with bits={self.bits} does not fit head_dim "
+                f"{head_dim}; use a group that divides it (e.g. 32, 64 or {head_dim})"
+            )
         return QuantLayer(cache, layer_idx)
 
 
@@ -88,7 +102,7 @@ class Quant(Method):
 
 
 @dataclasses.dataclass
-class Blocks:
+class Blocks(Stateful):
     """``n`` quantized blocks of ``G`` tokens for every row: packed codes + float16 scales and minima.
 
     ``key_codes: [B, H, n, D, G*bits/8]`` uint8, channel-major and packed along the block's tokens in split
@@ -97,6 +111,8 @@ class Blocks:
     ``key_scale, key_min: [B, H, n, 1, D]`` (per channel); ``value_scale, value_min: [B, H, n, G, D/group]``
     (per token and channel group).
     """
+
+    state_name = "quant.Blocks"
 
     key_codes: torch.Tensor
     key_scale: torch.Tensor
@@ -126,8 +142,14 @@ def quantize_blocks(keys: torch.Tensor, values: torch.Tensor, bits: int, channel
     key_codes, key_scale, key_min = quantize(keys, 3, bits)  # per channel, over the block's tokens
     grouped = values.reshape(b, h, n, g, d // channel_group, channel_group)
     value_codes, value_scale, value_min = quantize(grouped, 5, bits)  # per token, per channel group
-    return Blocks(pack_codes_split(key_codes.transpose(-1, -2), bits), key_scale, key_min,
-                  pack_codes(value_codes.view(b, h, n, g, d), bits), value_scale.squeeze(-1), value_min.squeeze(-1))
+    return Blocks(
+        pack_codes_split(key_codes.transpose(-1, -2), bits),
+        key_scale,
+        key_min,
+        pack_codes(value_codes.view(b, h, n, g, d), bits),
+        value_scale.squeeze(-1),
+        value_min.squeeze(-1),
+    )
 
 
 def block_logits(query: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
@@ -175,6 +197,15 @@ class QuantLayer(CompressedLayer):
     - ``block_start: [B, nblocks]`` int64: token index of each block's first token in row ``b``, -1 if the
       slot is empty for that row.
     """
+
+    state_fields = CompressedLayer.state_fields + (
+        "block_start",
+        "recent_count",
+        "recent_keys",
+        "recent_values",
+        "segments",
+        "kernel_used",
+    )
 
     def __init__(self, cache: KVCache, layer_idx: int) -> None:
         super().__init__(cache, layer_idx)
@@ -236,7 +267,9 @@ class QuantLayer(CompressedLayer):
         start_token = self.seen - self.recent_count  # [B] token index of each row's oldest exact token
         return keys, values, start_token
 
-    def store_blocks(self, taken: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
+    def store_blocks(
+        self, taken: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor
+    ) -> None:
         """Quantize ``taken`` blocks and store them for the rows where ``rows: [B]`` is True."""
         keys, values, start_token = taken
         blocks = quantize_blocks(keys, values, self.bits, self.channel_group)
@@ -279,13 +312,13 @@ class QuantLayer(CompressedLayer):
         keep = int(self.recent_count.max())
         e = self.recent_keys.shape[2]
         if keep < e:  # clone: a slice would keep the whole old buffer alive
-            self.recent_keys = self.recent_keys[:, :, e - keep:].clone()
-            self.recent_values = self.recent_values[:, :, e - keep:].clone()
+            self.recent_keys = self.recent_keys[:, :, e - keep :].clone()
+            self.recent_values = self.recent_values[:, :, e - keep :].clone()
 
     def segment_starts(self, index: int) -> torch.Tensor:
         """``[B, n]`` first token of each block of segment ``index`` (-1: empty slot for that row)."""
         first = index * self.blocks_per_segment
-        return self.block_start[:, first:first + self.segments[index].count]
+        return self.block_start[:, first : first + self.segments[index].count]
 
     def recent_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token index ``[B, E]`` of each exact-tail entry and whether the row holds it ``[B, E]``."""
@@ -295,8 +328,15 @@ class QuantLayer(CompressedLayer):
         return slots, valid
 
     # -- attention
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """Exact attention at prefill; chunked attention over the blocks + exact tail afterwards."""
         q_len, first = key.shape[2], self.seen
         self.append(key, value, kwargs.get("position_ids"))
@@ -310,13 +350,14 @@ class QuantLayer(CompressedLayer):
         self.quantize_full_blocks()
         return out
 
-    def chunked_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int,
-                          scaling: float | None) -> torch.Tensor:
+    def chunked_attention(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int, scaling: float | None
+    ) -> torch.Tensor:
         """``query: [B, Hq, q, D]`` over every held token, one chunk of blocks at a time -> ``[B, q, Hq, D]``."""
         b, hq, q_len, d = query.shape
         h, groups = self.recent_keys.shape[1], hq // self.recent_keys.shape[1]
         packed = query.reshape(b, h, groups * q_len, d).float()  # query heads of a group along the rows
-        softmax = OnlineSoftmax(packed, scaling if scaling is not None else d ** -0.5)
+        softmax = OnlineSoftmax(packed, scaling if scaling is not None else d**-0.5)
         offsets = torch.arange(self.group, device=self.device)
         fused = self.use_kernel()
         for index, segment in enumerate(self.segments):
@@ -325,17 +366,27 @@ class QuantLayer(CompressedLayer):
             valid = (starts >= 0).repeat_interleave(self.group, dim=1)
             if fused:
                 everything = attention_mask is None and q_len == 1 and bool(valid.all())
-                seen = None if everything else self.visible(attention_mask, slots, valid, first, q_len, groups)
-                logits = cpu_quant.block_logits(packed, segment.key_codes, segment.key_scale, segment.key_min,
-                                                self.bits, softmax.scaling)
-                softmax.add_scaled(logits, seen, functools.partial(
-                    _fused_values, blocks=segment, bits=self.bits))
+                seen = (
+                    None if everything else self.visible(attention_mask, slots, valid, first, q_len, groups)
+                )
+                logits = cpu_quant.block_logits(
+                    packed, segment.key_codes, segment.key_scale, segment.key_min, self.bits, softmax.scaling
+                )
+                softmax.add_scaled(
+                    logits, seen, functools.partial(_fused_values, blocks=segment, bits=self.bits)
+                )
                 continue
-            softmax.add_logits(block_logits(packed, segment, self.bits), dequantize_values(segment, self.bits),
-                               self.visible(attention_mask, slots, valid, first, q_len, groups))
+            softmax.add_logits(
+                block_logits(packed, segment, self.bits),
+                dequantize_values(segment, self.bits),
+                self.visible(attention_mask, slots, valid, first, q_len, groups),
+            )
         slots, valid = self.recent_slots()
-        softmax.add(self.recent_keys, self.recent_values,
-                    self.visible(attention_mask, slots, valid, first, q_len, groups))
+        softmax.add(
+            self.recent_keys,
+            self.recent_values,
+            self.visible(attention_mask, slots, valid, first, q_len, groups),
+        )
         out = softmax.result().view(b, hq, q_len, d)
         return out.transpose(1, 2).contiguous().to(query.dtype)
 
@@ -345,19 +396,30 @@ class QuantLayer(CompressedLayer):
             self.kernel_used = "torch"
             return False
         if self.device.type != "cpu":
-            raise ValueError(f"quant: kernel='cpp' runs on the CPU only, but the cache is on {self.device}; "
-                             "use kernel='torch' or 'auto'")
+            raise ValueError(
+                f"quant: kernel='cpp' runs on the CPU only, but the cache is on {self.device}; "
+                "use kernel='torch' or 'auto'"
+            )
         if cpu_quant.load() is None:
             if self.kernel_choice == "cpp":
-                raise RuntimeError(f"quant: kernel='cpp' cannot be built here ({cpu_quant.unavailable_reason()}); "
-                                   "use kernel='torch' or 'auto'")
+                raise RuntimeError(
+                    f"quant: kernel='cpp' cannot be built here ({cpu_quant.unavailable_reason()}); "
+                    "use kernel='torch' or 'auto'"
+                )
             self.kernel_used = "torch"
             return False
         self.kernel_used = "cpp"
         return True
 
-    def visible(self, attention_mask: torch.Tensor | None, slots: torch.Tensor, valid: torch.Tensor, first: int,
-                q_len: int, groups: int) -> torch.Tensor:
+    def visible(
+        self,
+        attention_mask: torch.Tensor | None,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+        first: int,
+        q_len: int,
+        groups: int,
+    ) -> torch.Tensor:
         """``[B, 1, groups*q, T]``: which entries (token ``slots: [B, T]``, ``valid: [B, T]``) each packed row sees."""
         seen = visible_mask(attention_mask, slots.clamp(min=0).unsqueeze(1), first, q_len)  # [B, 1, q, T]
         seen = seen & valid.view(valid.shape[0], 1, 1, -1)
@@ -384,7 +446,9 @@ class QuantLayer(CompressedLayer):
         return torch.cat(parts_k, 2), torch.cat(parts_v, 2), torch.cat(parts_s, 1), torch.cat(parts_ok, 1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.segments = [segment.map(lambda t: t.index_select(0, rows.to(t.device))) for segment in self.segments]
+        self.segments = [
+            segment.map(lambda t: t.index_select(0, rows.to(t.device))) for segment in self.segments
+        ]
         super().select_rows(rows)
 
     def nbytes(self) -> int:
@@ -403,5 +467,10 @@ class QuantLayer(CompressedLayer):
     def layer_stats(self) -> dict[str, Any]:
         blocks = int((self.block_start >= 0).sum(dim=1).max()) if self.block_start.numel() else 0
         exact = int(self.recent_count.max()) if self.recent_count.numel() else 0
-        return {"entries": self.entries(), "quantized_tokens": blocks * self.group, "exact_tokens": exact,
-                "bits": self.bits, "kernel": self.kernel_used}
+        return {
+            "entries": self.entries(),
+            "quantized_tokens": blocks * self.group,
+            "exact_tokens": exact,
+            "bits": self.bits,
+            "kernel": self.kernel_used,
+        }

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvweave.cache import Method, option, register
 from kvweave.methods._eviction import EvictingLayer, check_budget
+from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -35,16 +35,25 @@ class SnapKV(Method):
     pooling: str = option("max", "max or avg pooling of the scores")
 
     evicts = True
+    budget_options = {"ratio": "held fraction", "budget": "held tokens"}
     test_options = {"budget": 16, "window": 4, "kernel": 3}
-    invalid_options = (({"budget": 0}, "budget"), ({"ratio": 2.0}, "ratio"), ({"window": 0}, "window"),
-                       ({"kernel": 4}, "kernel"), ({"kernel": 0}, "kernel"), ({"pooling": "sum"}, "pooling"))
+    invalid_options = (
+        ({"budget": 0}, "budget"),
+        ({"ratio": 2.0}, "ratio"),
+        ({"window": 0}, "window"),
+        ({"kernel": 4}, "kernel"),
+        ({"kernel": 0}, "kernel"),
+        ({"pooling": "sum"}, "pooling"),
+    )
 
     def __post_init__(self) -> None:
         check_budget(self)
         self.check_range("window", 1)
         self.check_range("kernel", 1)
         if self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: option kernel={self.kernel!r} is not allowed; use an odd width >= 1")
+            raise ValueError(
+                f"{self.name}: option kernel={self.kernel!r} is not allowed; use an odd width >= 1"
+            )
         self.check_choice("pooling", ["max", "avg"])
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> SnapKVLayer:

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvweave._compat import sdpa_attention
-from kvweave.cache import CompressedLayer, Method, option, register
+from kvweave.cache import CompressedLayer
 from kvweave.methods.pi import rerotate, token_positions
 from kvweave.ops.attention import masked_attention
 from kvweave.ops.masking import visible_mask
+from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -37,6 +38,7 @@ class Window(Method):
 
     evicts = True
     bounded_memory = True
+    budget_options = {"ratio": "held fraction", "window": "held tokens"}
     test_options = {"window": 8, "sinks": 2}
     invalid_options = (
         ({"window": 0}, "window"),
@@ -59,6 +61,8 @@ class Window(Method):
 class WindowLayer(CompressedLayer):
     """Holds ``sinks + window`` exact entries (pre-RoPE keys with ``positions="shift"``)."""
 
+    state_fields = CompressedLayer.state_fields + ("window",)
+
     def __init__(self, cache: KVCache, layer_idx: int, method: Window) -> None:
         super().__init__(cache, layer_idx)
         self.method = method
@@ -67,13 +71,21 @@ class WindowLayer(CompressedLayer):
 
     def append(self, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         if self.shift:  # store pre-RoPE keys: they are rotated to their in-cache index at attention time
-            positions = token_positions({"position_ids": position_ids}, self.seen, key.shape[2], self.rows,
-                                        key.device)
+            positions = token_positions(
+                {"position_ids": position_ids}, self.seen, key.shape[2], self.rows, key.device
+            )
             key = self.cache.rotary_for(self.layer_idx).unrotate(key.float(), positions).to(key.dtype)
         super().append(key, value, position_ids)
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if not self.shift:
             return super().attend(module, query, key, value, attention_mask, **kwargs)
         q_len, first = key.shape[2], self.seen

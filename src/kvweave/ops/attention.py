@@ -61,8 +61,12 @@ class OnlineSoftmax:
         """Attend with precomputed ``q·k`` logits ``[B, H, R, T]`` (unscaled) to ``values: [B, H, T, D]``."""
         self.add_scaled(logits * self.scaling, visible, lambda weights: weights @ values.float())
 
-    def add_scaled(self, logits: torch.Tensor, visible: torch.Tensor | None,
-                   weighted: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def add_scaled(
+        self,
+        logits: torch.Tensor,
+        visible: torch.Tensor | None,
+        weighted: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         """Attend with scaled logits ``[B, H, R, T]`` (``visible: [B, H or 1, R, T]``, ``None``: all visible);
         ``weighted(weights)`` returns ``weights @ values`` ``[B, H, R, D]`` for the chunk's values."""
         if visible is not None:
@@ -80,8 +84,9 @@ class OnlineSoftmax:
         return self.out / self.total.clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def fused_part_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fused_part_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention of ``query: [B, Hq, c, D]`` over ``keys, values: [B, H, S, D]`` (``mask: [c, S]`` bool or
     ``None``) in torch's fused CPU kernel: output ``[B, H, groups*c, D]`` (query heads of a KV head packed
     along the rows) and its log-sum-exp ``[B, H, groups*c]`` (``-inf`` for a row that sees nothing)."""
@@ -96,7 +101,8 @@ def fused_part_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
         additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
         additive = additive.masked_fill_(~mask, float("-inf")).repeat(groups, 1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        packed, keys.to(query.dtype), values.to(query.dtype), 0.0, False, attn_mask=additive, scale=scaling)
+        packed, keys.to(query.dtype), values.to(query.dtype), 0.0, False, attn_mask=additive, scale=scaling
+    )
     if mask is not None:
         lse = lse.masked_fill(~mask.any(-1).repeat(groups), float("-inf"))
     return out, lse
@@ -109,5 +115,8 @@ def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.
     top = torch.where(torch.isinf(top), 0.0, top)
     weights = [torch.exp(lse - top).unsqueeze(-1) for _, lse in real]
     total = sum(weights[1:], weights[0])
-    out = sum((w * o.float() for w, (o, _) in zip(weights[1:], real[1:], strict=True)), weights[0] * real[0][0].float())
+    out = sum(
+        (w * o.float() for w, (o, _) in zip(weights[1:], real[1:], strict=True)),
+        weights[0] * real[0][0].float(),
+    )
     return out / total.clamp(min=torch.finfo(torch.float32).tiny)

@@ -29,7 +29,9 @@ def visible_mask(
     return mask.expand(b, h, -1, -1).gather(3, index)
 
 
-def prompt_padding(attention_mask: torch.Tensor | None, rows: int, tokens: int, device: torch.device) -> torch.Tensor:
+def prompt_padding(
+    attention_mask: torch.Tensor | None, rows: int, tokens: int, device: torch.device
+) -> torch.Tensor:
     """``[B]`` left-padding tokens per row among the first ``tokens``, from the prefill mask's last query row."""
     mask = mask_to_bool(attention_mask)
     if mask is None:

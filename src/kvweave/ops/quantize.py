@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvweave.state import Stateful
+
 SCALE_DTYPE = torch.float16
 _SCALE_MIN = 6.2e-5  # smallest normal float16: scales never become subnormal or zero
 
@@ -36,7 +38,9 @@ def quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.
     levels = (1 << bits) - 1
     scale, minimum = ((high - low) / levels).half(), low.half()
     if not (torch.isfinite(scale).all() and torch.isfinite(minimum).all()):
-        raise ValueError("quant: keys or values are NaN/Inf or exceed the float16 range; cannot quantize them")
+        raise ValueError(
+            "quant: keys or values are NaN/Inf or exceed the float16 range; cannot quantize them"
+        )
     step = torch.where(scale == 0, 1.0, scale.float())
     codes = ((x - minimum.float()) / step).round_().clamp_(0, levels).to(torch.uint8)
     return codes, scale, minimum
@@ -92,7 +96,7 @@ def unpack_codes_split(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class Packed:
+class Packed(Stateful):
     """A ``[..., n, w]`` tensor at ``bits`` per element.
 
     ``data``: the values (``bits=16``: storage dtype), int8 (``bits=8``) or uint8 holding two 4-bit values per
@@ -120,8 +124,10 @@ class Packed:
             return values * scale
         n, whole = self.rows, self.rows - self.rows % self.group
         # scales broadcast over each group of rows (no repeated copy of the scale tensor)
-        head = (values[..., :whole, :].unflatten(-2, (-1, self.group)) * scale[..., : whole // self.group, :]
-                .unsqueeze(-2)).flatten(-3, -2)
+        head = (
+            values[..., :whole, :].unflatten(-2, (-1, self.group))
+            * scale[..., : whole // self.group, :].unsqueeze(-2)
+        ).flatten(-3, -2)
         if whole == n:
             return head
         return torch.cat([head, values[..., whole:, :] * scale[..., -1:, :]], dim=-2)

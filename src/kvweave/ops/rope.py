@@ -43,8 +43,6 @@ class Rotary:
     positions is as exact as the model's own.
     """
 
-    rebuilt_on_load = True  # made from the model: kvweave.load_cache takes a fresh one, never saves it
-
     def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None) -> None:
         self.rotary_emb = rotary_emb
         self.layer_type = layer_type
@@ -88,8 +86,6 @@ class RopeTable:
     reads the table instead of recomputing sines. Built with the model's own rotary module, so the values are
     the model's. Assumes a position-independent frequency table (not ``dynamic`` RoPE scaling).
     """
-
-    rebuilt_on_load = True  # made from the model: kvweave.load_cache takes a fresh one, never saves it
 
     def __init__(self, rotary: Rotary) -> None:
         self.rotary = rotary

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvweave.eval import runner
+from kvweave.registry import canonical_spec
 
 REFERENCE_METHODS = ("full", "kvpress:full")
 """Methods that speed ratios are taken against (kvweave's ``full``; the uncompressed kvpress baseline)."""
@@ -65,6 +66,9 @@ def load_run(path: str | Path) -> Run:
         command = eval_command(config, folder) if config else ""
     rows = [r for r in runner.read_rows(rows_path) if _is_result(r)] if rows_path.is_file() else []
     ppl = [r for r in runner.read_rows(ppl_path) if "nll" in r] if ppl_path.is_file() else []
+    for row in rows + ppl:  # rows written before an option was renamed read under the current names
+        if isinstance(row.get("method"), str):
+            row["method"] = canonical_spec(row["method"])
     return Run(folder, rows, config, meta.get("environment", {}), command, ppl)
 
 
@@ -162,8 +166,19 @@ def run_summary(run: Run) -> list[dict[str, Any]]:
 
 
 CSV_COLUMNS = (
-    "run", "model", "method", "task", "context", "n", "accuracy", "compression", "kv_bytes",
-    "full_kv_bytes", "prefill_s", "decode_tok_s", "speed_vs_full",
+    "run",
+    "model",
+    "method",
+    "task",
+    "context",
+    "n",
+    "accuracy",
+    "compression",
+    "kv_bytes",
+    "full_kv_bytes",
+    "prefill_s",
+    "decode_tok_s",
+    "speed_vs_full",
 )
 """Columns of ``kvweave report --csv``: one line per (run, model, method, task, context)."""
 
@@ -189,7 +204,9 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(finite) if finite else None
 
 
-def overview(summary: list[dict[str, Any]], context: int | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+def overview(
+    summary: list[dict[str, Any]], context: int | None = None
+) -> tuple[list[str], list[dict[str, Any]]]:
     """``(columns, lines)``: one line per (model, method) with ``(accuracy, n)`` per task and context length
     (columns like ``passkey 4K``), mean compression, KV MB at the longest context and the median speed ratio
     against ``full``; with ``context``, only the entries at that context length."""
@@ -241,8 +258,11 @@ def metric_note(task_names: Iterable[str]) -> str | None:
     from kvweave.eval.tasks import TASKS
 
     names = {label.split(" ")[0] for label in task_names}
-    parts = [f"{name}: {METRIC_WORDS[TASKS[name].metric]}" for name in sorted(names)
-             if name in TASKS and TASKS[name].metric in METRIC_WORDS]
+    parts = [
+        f"{name}: {METRIC_WORDS[TASKS[name].metric]}"
+        for name in sorted(names)
+        if name in TASKS and TASKS[name].metric in METRIC_WORDS
+    ]
     return "Scores other than recall accuracy: " + "; ".join(parts) + "." if parts else None
 
 

@@ -1,7 +1,10 @@
-"""The markdown summary: the overview and per-run tables, with the command that produced each run."""
+"""The markdown summary: a contents list, a "which method for which need" guide computed from the rows,
+the overview and per-run tables, with the command that produced each run."""
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from typing import Any
 
 from kvweave.report import data, page
@@ -61,7 +64,16 @@ def overview_table(summary: list[dict[str, Any]], context: int | None = None) ->
     return _table(header, rows, ["l"] + ["r"] * (len(header) - 1))
 
 
-PPL_HEADER = ["model", "corpus", "window (scored)", "method", "windows", "compression", "perplexity", "vs full"]
+PPL_HEADER = [
+    "model",
+    "corpus",
+    "window (scored)",
+    "method",
+    "windows",
+    "compression",
+    "perplexity",
+    "vs full",
+]
 
 
 def ppl_cells(entry: dict[str, Any]) -> list[str]:
@@ -126,28 +138,290 @@ def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
     return "\n".join(parts).rstrip()
 
 
-def render(runs: list[Run]) -> str:
-    """The markdown summary of ``runs``."""
-    summaries = [data.run_summary(run) for run in runs]
-    summary = [entry for run_entries in summaries for entry in run_entries]
-    parts = [
-        "## kvweave results",
-        "",
-        "One table per context length: accuracy per task (number of trials in brackets), mean compression "
-        "(16-bit full-cache bytes / bytes held), KV memory held (the largest sample), and median decode speed as "
-        "a ratio against `full` measured in the same run (the median over the runs a method appears in at that "
-        "length).",
-        "",
-        overview_markdown(summary),
-        "",
+NO_LOSS_POINTS = 5.0
+"""No loss: a method's mean score over the tasks it shares with ``full`` is at most this many points
+(of 100) below ``full``'s mean over the same tasks."""
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _shared(line: dict[str, Any], full: dict[str, Any]) -> list[str]:
+    """The task columns both ``line`` and ``full`` have scores for."""
+    return [
+        column
+        for column, accuracy in line["accuracy"].items()
+        if accuracy is not None
+        and line["n"].get(column)
+        and full["accuracy"].get(column) is not None
+        and full["n"].get(column)
     ]
+
+
+def _tasks_phrase(columns: list[str]) -> str:
+    names = [column.rsplit(" ", 1)[0] for column in columns]
+    return f"on {names[0]}" if len(names) == 1 else f"over the {len(names)} tasks it shares with `full`"
+
+
+def _versus_full(line: dict[str, Any], full: dict[str, Any] | None) -> str:
+    """``mean score 61.9% over the 14 tasks it shares with `full` (45 trials) vs `full`'s 61.9% (99 trials)``."""
+    if full is None:
+        columns = [c for c, a in line["accuracy"].items() if a is not None and line["n"].get(c)]
+        mean = _mean([line["accuracy"][c] for c in columns])
+        trials = sum(line["n"][c] for c in columns)
+        return f"mean score {100 * mean:.1f}% over {len(columns)} task(s) ({trials} trials; no `full` to compare)"
+    columns = _shared(line, full)
+    if not columns:
+        return "no task in common with `full`"
+    mine, theirs = (_mean([x["accuracy"][c] for c in columns]) for x in (line, full))
+    trials, full_trials = (sum(x["n"][c] for c in columns) for x in (line, full))
+    return (
+        f"mean score {100 * mine:.1f}% {_tasks_phrase(columns)} ({trials} trials) vs `full`'s "
+        f"{100 * theirs:.1f}% ({full_trials} trials)"
+    )
+
+
+def _largest_drop(line: dict[str, Any], full: dict[str, Any]) -> str:
+    drops = [(full["accuracy"][c] - line["accuracy"][c], c) for c in _shared(line, full)]
+    if len(drops) < 2:
+        return ""
+    drop, column = max(drops, key=lambda d: (d[0], d[1]))
+    if drop <= 0:
+        return "; no task scores below `full`"
+    return (
+        f"; its largest single-task drop: {column.rsplit(' ', 1)[0]} {_pct(full['accuracy'][column])} "
+        f"({full['n'][column]}) \u2192 {_pct(line['accuracy'][column])} ({line['n'][column]})"
+    )
+
+
+def _no_loss_line(lines: list[dict[str, Any]], full: dict[str, Any] | None) -> str:
+    head = "- **Most compression at no loss:** "
+    if full is None:
+        return head + "no `full` rows at this length to compare against."
+    floor = full["compression"] or 0.0
+    compressing = [
+        line
+        for line in lines
+        if line["method"] not in data.REFERENCE_METHODS and (line["compression"] or 0) > floor
+    ]
+    candidates = []
+    for line in compressing:
+        columns = _shared(line, full)
+        if columns:
+            theirs, mine = (_mean([x["accuracy"][c] for c in columns]) for x in (full, line))
+            candidates.append((line, 100 * (theirs - mine)))
+    qualified = [(line, drop) for line, drop in candidates if drop <= NO_LOSS_POINTS + 1e-9]
+    if qualified:
+        line, _ = max(qualified, key=lambda q: (q[0]["compression"], -q[1]))
+        return (
+            f"{head}`{line['method']}` at {line['compression']:.2f}x, {_versus_full(line, full)}"
+            f"{_largest_drop(line, full)}."
+        )
+    text = head + "no method qualifies: "
+    if not compressing:
+        return text + f"no method here holds fewer bytes than `full` ({_num(full['compression'], '%.2fx')})."
+    if not candidates:
+        return text + "no method that holds fewer bytes than `full` shares a task with it here."
+    text += (
+        f"none that holds fewer bytes than `full` ({_num(full['compression'], '%.2fx')}) keeps its mean score "
+        f"within {NO_LOSS_POINTS:g} points of `full`'s"
+    )
+    line, _ = min(candidates, key=lambda c: (c[1], -c[0]["compression"]))
+    return f"{text}; the closest is `{line['method']}` at {line['compression']:.2f}x, {_versus_full(line, full)}."
+
+
+def _speed_trials(summary: list[dict[str, Any]], line: dict[str, Any], context: int) -> tuple[int, int]:
+    cells = [
+        e
+        for e in summary
+        if e.get("model") == line["model"]
+        and e["method"] == line["method"]
+        and e["context"] == context
+        and e.get("speed_vs_full") is not None
+    ]
+    return len(cells), sum(e["n"] for e in cells)
+
+
+def _speed_phrase(summary: list[dict[str, Any]], line: dict[str, Any], context: int) -> str:
+    cells, trials = _speed_trials(summary, line, context)
+    against = "kvpress's uncompressed baseline" if line["method"].startswith("kvpress:") else "`full`"
+    where = f"median of {cells} cells, one per run and task" if cells > 1 else "1 cell"
+    return (
+        f"`{line['method']}`, decoding at {line['speed_vs_full']:.2f}x the speed of {against} "
+        f"({where}; {trials} trials)"
+    )
+
+
+def _fastest_line(
+    summary: list[dict[str, Any]], lines: list[dict[str, Any]], full: dict[str, Any] | None, context: int
+) -> str:
+    head = "- **Fastest decode:** "
+    timed = [
+        line
+        for line in lines
+        if line["method"] not in data.REFERENCE_METHODS and line["speed_vs_full"] is not None
+    ]
+    if not timed:
+        return head + "no decode speed measured against `full` at this length."
+
+    def fastest(candidates: list[dict[str, Any]]) -> dict[str, Any]:
+        return max(candidates, key=lambda line: line["speed_vs_full"])
+
+    best = fastest(timed)
+    text = f"{head}{_speed_phrase(summary, best, context)}, {_versus_full(best, full)}"
+    own = [line for line in timed if not line["method"].startswith("kvpress:")]
+    if best["method"].startswith("kvpress:") and own:
+        second = fastest(own)
+        text += f"; fastest kvweave method: {_speed_phrase(summary, second, context)}, {_versus_full(second, full)}"
+    return text + "."
+
+
+def trained_context(model: Any) -> int | None:
+    """The trained context of a registry model (rows name their model but do not carry its trained
+    length); ``None`` for a model kvweave's registry does not know."""
+    from kvweave.models import REGISTRY
+
+    spec = REGISTRY.get(str(model))
+    return spec.trained_context if spec else None
+
+
+def _beyond_line(lines: list[dict[str, Any]], full: dict[str, Any] | None, model: Any, context: int) -> str:
+    head = "- **Beyond the trained context:** "
+    trained = trained_context(model)
+    if trained is None:
+        return f"{head}skipped: nothing in the rows or kvweave's registry gives {model}'s trained context."
+    trained_label = data.column_label("", trained).strip()
+    if context <= trained:
+        return head + f"no such rows at this length ({model} is trained to {trained_label})."
+    tried = [line for line in lines if line["method"] not in data.REFERENCE_METHODS]
+    text = head + f"{model} is trained to {trained_label}, these rows run {context / trained:g}x past it"
+    if not tried:
+        return text + (f"; only `full` was run: {_versus_full(full, None)}." if full else ".")
+
+    def score(line: dict[str, Any]) -> float:
+        columns = _shared(line, full) if full else [c for c, a in line["accuracy"].items() if a is not None]
+        return _mean([line["accuracy"][c] for c in columns]) if columns else -1.0
+
+    best = max(tried, key=score)
+    others = f" (best of {len(tried)} methods tried)" if len(tried) > 1 else ""
+    return (
+        f"{text}: `{best['method']}`{others}, {_versus_full(best, full)}; compression "
+        f"{_num(best['compression'], '%.2fx')}, decode {_num(best['speed_vs_full'], '%.2fx')} `full`."
+    )
+
+
+GUIDE_RULES = (
+    "Computed from the rows in the tables below, for each context length (and model, where a length has "
+    "several). **Most compression at no loss**: among the methods that hold fewer bytes than `full` "
+    "(compression above `full`'s), the one with the highest compression whose mean score over the tasks it "
+    "shares with `full` is at most {points} points below `full`'s mean over the same tasks; a mean can hide "
+    "one task's loss, so its largest single-task drop is given too. **Fastest decode**: the highest median "
+    "decode-speed ratio against `full` measured in the same run (kvpress presses: against kvpress's own "
+    "uncompressed baseline), with its mean score on the same terms. **Beyond the trained context**: rows at "
+    "lengths above the model's trained context (as kvweave's model registry gives it). Scores are per-task "
+    "means as in the tables; with 3 trials, one answer moves a task's score by 33 points."
+)
+
+
+def guide_markdown(summary: list[dict[str, Any]]) -> str:
+    """The "which method for which need" section, per context length and model: most compression at no loss,
+    fastest decode, and what ran beyond the model's trained context, each naming the spec, its numbers and
+    trials."""
+    parts = ["## Which method for which need", "", GUIDE_RULES.format(points=f"{NO_LOSS_POINTS:g}"), ""]
     note = data.metric_note(entry["task"] for entry in summary)
     if note:
-        parts[4:4] = [note, ""]
+        parts += [note, ""]
+    beyond_any = False
+    for context in sorted({entry["context"] for entry in summary}):
+        _, lines = data.overview(summary, context)
+        by_model: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+        for line in lines:
+            by_model[line["model"]].append(line)
+        label = data.column_label("", context).strip()
+        for model, model_lines in by_model.items():
+            full = next((line for line in model_lines if line["method"] == "full"), None)
+            trained = trained_context(model)
+            beyond_any = beyond_any or (trained is not None and context > trained)
+            parts += [
+                f"**[{label} tokens](#{anchor(f'{label} tokens', {})})** ({model})",
+                "",
+                _no_loss_line(model_lines, full),
+                _fastest_line(summary, model_lines, full, context),
+                _beyond_line(model_lines, full, model, context),
+                "",
+            ]
+    if not beyond_any:
+        parts += ["No rows lie beyond their model's trained context.", ""]
+    return "\n".join(parts).rstrip()
+
+
+def anchor(heading: str, seen: dict[str, int]) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens, ``-1``, ``-2``, ...
+    for repeats (``seen`` counts the anchors given so far)."""
+    slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    return slug if count == 0 else f"{slug}-{count}"
+
+
+def contents_markdown(body: str) -> str:
+    """A contents list for ``body``: each ``##`` section a line, its ``###`` sections inline after it."""
+    seen: dict[str, int] = {}
+    entries: list[tuple[str, list[str]]] = []
+    fenced = False
+    for text in body.splitlines():
+        if text.startswith("```"):
+            fenced = not fenced
+        match = None if fenced else re.match(r"(#{1,3}) (.+)", text)
+        if not match:
+            continue
+        level, title = len(match.group(1)), match.group(2).strip()
+        link = f"[{title.replace('`', '')}](#{anchor(title, seen)})"
+        if level == 2:
+            entries.append((link, []))
+        elif level == 3 and entries:
+            entries[-1][1].append(link)
+    out = ["**Contents**", ""]
+    for link, children in entries:
+        out.append(f"- {link}" + (": " + " \u00b7 ".join(children) if children else ""))
+    return "\n".join(out)
+
+
+def render(runs: list[Run]) -> str:
+    """The markdown summary of ``runs``: contents, the guide, tables by length, perplexity, then each run."""
+    summaries = [data.run_summary(run) for run in runs]
+    summary = [entry for run_entries in summaries for entry in run_entries]
+    rows, windows = sum(len(run.rows) for run in runs), sum(len(run.ppl) for run in runs)
+    counts = f"{rows} result rows" + (f", {windows} perplexity rows" if windows else "")
+    title = [
+        "# kvweave results",
+        "",
+        f"Generated by `kvweave report` from {len(runs)} run folder{'s' if len(runs) != 1 else ''} "
+        f"({counts}); every run's section gives the command that produced it.",
+        "",
+        "",
+    ]
+    parts: list[str] = []
+    note = data.metric_note(entry["task"] for entry in summary)
+    if summary:
+        parts += [guide_markdown(summary), ""]
+        parts += [
+            "## Results by context length",
+            "",
+            "One table per context length: accuracy per task (number of trials in brackets), mean compression "
+            "(16-bit full-cache bytes / bytes held), KV memory held (the largest sample), and median decode "
+            "speed as a ratio against `full` measured in the same run (the median over the runs a method "
+            "appears in at that length).",
+            "",
+            *([note, ""] if note else []),
+            overview_markdown(summary),
+            "",
+        ]
     ppl = data.perplexity_summary(runs)
     if ppl:
         parts += [
-            "### Perplexity",
+            "## Perplexity",
             "",
             "Each window's first tokens are prefilled and compressed, then its last (scored) tokens are fed "
             "through the same cache and scored by teacher forcing; perplexity is exp of the mean NLL over the "
@@ -156,6 +430,9 @@ def render(runs: list[Run]) -> str:
             perplexity_markdown(ppl),
             "",
         ]
+    runs_intro = "Each run folder: the command that produced it, its environment and its table."
+    parts += ["## Runs", "", runs_intro, ""]
     for run, run_entries in zip(runs, summaries, strict=True):
         parts += [run_markdown(run, run_entries), ""]
-    return "\n".join(parts)
+    body = "\n".join(parts)
+    return "\n".join(title) + contents_markdown("\n".join(title) + body) + "\n\n" + body

@@ -193,8 +193,11 @@ def overview_table(summary: list[dict[str, Any]], context: int | None = None) ->
     several = len({line["model"] for line in lines}) > 1
     shown = [t.rsplit(" ", 1)[0] for t in task_list] if context is not None else task_list
     head = ['<th class="name">method</th>'] + [f"<th>{escape(t)}</th>" for t in shown]
-    head += ["<th>compression</th>", "<th>KV MiB</th>" if context is not None else "<th>KV MiB (longest)</th>",
-             "<th>decode vs full</th>"]
+    head += [
+        "<th>compression</th>",
+        "<th>KV MiB</th>" if context is not None else "<th>KV MiB (longest)</th>",
+        "<th>decode vs full</th>",
+    ]
     body = []
     for line in lines:
         cells = [f'<td class="name">{escape(_series_name(str(line["model"]), line["method"], several))}</td>']
@@ -202,8 +205,11 @@ def overview_table(summary: list[dict[str, Any]], context: int | None = None) ->
             value, n = line["accuracy"][task], line["n"][task]
             cells.append(f"<td>{'-' if value is None else f'{100 * value:.0f}% <small>({n})</small>'}</td>")
         cells.append(f"<td>{_fmt(line['compression'], '%.2fx')}</td>")
-        cells.append(f"<td>{line['kv_mb']:.2f}</td>" if context is not None
-                     else f"<td>{line['kv_mb']:.2f} @ {line['longest']}</td>")
+        cells.append(
+            f"<td>{line['kv_mb']:.2f}</td>"
+            if context is not None
+            else f"<td>{line['kv_mb']:.2f} @ {line['longest']}</td>"
+        )
         cells.append(f"<td>{_fmt(line['speed_vs_full'], '%.2f')}</td>")
         body.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><tr>{''.join(head)}</tr>{''.join(body)}</table>"
@@ -238,14 +244,17 @@ def perplexity_table(entries: list[dict[str, Any]]) -> str:
     """Perplexity per setting and method, with the change against ``full`` on the same windows."""
     from kvweave.report.markdown import PPL_HEADER, ppl_cells
 
-    head = "".join(f'<th class="{"name" if c in ("model", "corpus", "method") else ""}">{c}</th>' for c in PPL_HEADER)
+    head = "".join(
+        f'<th class="{"name" if c in ("model", "corpus", "method") else ""}">{c}</th>' for c in PPL_HEADER
+    )
     body = []
     for entry in entries:
         cells = [cell.strip("`") for cell in ppl_cells(entry)]
         body.append(
             "<tr>"
             + "".join(
-                f'<td class="{"name" if i in (0, 1, 3) else ""}">{escape(cell)}</td>' for i, cell in enumerate(cells)
+                f'<td class="{"name" if i in (0, 1, 3) else ""}">{escape(cell)}</td>'
+                for i, cell in enumerate(cells)
             )
             + "</tr>"
         )
@@ -259,6 +268,7 @@ def perplexity_section(runs: list[Run]) -> str:
     if not entries:
         return ""
     charts = []
+
     def setting(e: dict[str, Any]) -> tuple[Any, ...]:
         return (str(e["model"]), str(e["corpus"]), e["window"], e["target"], bool(e.get("stepwise")))
 
@@ -278,7 +288,10 @@ def perplexity_section(runs: list[Run]) -> str:
         series = [
             svg.Series(
                 name,
-                [(e["compression"], 100 * e["ppl_vs_full"]) for e in sorted(group, key=lambda e: e["compression"])],
+                [
+                    (e["compression"], 100 * e["ppl_vs_full"])
+                    for e in sorted(group, key=lambda e: e["compression"])
+                ],
                 [data.options_label(e["method"]) for e in sorted(group, key=lambda e: e["compression"])],
             )
             for name, group in sorted(families.items(), key=lambda kv: data.method_order(kv[0]))
@@ -355,7 +368,11 @@ def render(runs: list[Run]) -> str:
         '<p class="note">One table per context length: accuracy per task (mean over trials, their number in '
         "brackets), mean compression, KV memory held, and median decode speed as a ratio against "
         "<code>full</code> in the same run.</p>",
-        *([f'<p class="note">{escape(note)}</p>'] if (note := data.metric_note(r["task"] for r in summary)) else []),
+        *(
+            [f'<p class="note">{escape(note)}</p>']
+            if (note := data.metric_note(r["task"] for r in summary))
+            else []
+        ),
         overview_tables(summary),
         "</section>",
         heatmap_section(rows),

@@ -1,0 +1,347 @@
+"""``kvweave bench``: decode speed and memory of each method against ``full``, measured in the same process.
+
+Not a test: a measurement that writes rows. Per context length and batch size, every method prefills the same
+prompt (the model's own haystack text with a real model; random token ids with ``--shape``), then decodes in
+interleaved rounds (``full`` first, then each method, ``--rounds`` times; one forward per token, greedy), so
+background load hits every method alike. Each row reports:
+
+- ``ms_per_token``: the median over rounds of the round's mean step time; ``tok_s`` = batch / step time;
+- ``speedup``: ``full``'s step time / this method's, measured in the same run;
+- ``prefill_s`` and ``overhead_s`` (prefill minus ``full``'s prefill: what compressing costs);
+- ``kv_bytes`` (tensors held, ``cache.nbytes()``), ``kv_read_bytes`` (what one decode step reads from the
+  cache, ``cache.read_bytes()``: fewer than held where a method attends to part of what it holds);
+- ``weight_bytes``, ``bandwidth_gb_s`` (this machine's measured copy bandwidth) and the **bound**
+  ``(W + KV_read_full) / (W + KV_read)``: the most a method can gain when a step is bound by the bytes it
+  reads (DESIGN §7); ``of_bound`` = speedup / bound;
+- ``peak_bytes``: the CUDA allocator's peak for this method on a GPU; on a CPU the process's resident high-water
+  mark (``peak_kind`` says which; the CPU figure is process-wide, so it only grows across methods).
+
+``--shape NAME`` builds random weights of a real architecture (``qwen2.5-0.5b``, ``llama-3.1-8b``; rows are
+labelled ``random:NAME``): speed depends on shapes, not on weight values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=5e5,
+        tie_word_embeddings=False,
+    ),
+}
+"""Architectures ``--shape`` builds with random weights (the published configs' shape numbers)."""
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What ``kvweave bench`` measures."""
+
+    methods: list[str]
+    contexts: list[int]
+    batches: list[int] = dataclasses.field(default_factory=lambda: [1])
+    model: str | None = "qwen2.5-coder-0.5b"
+    shape: str | None = None
+    layers: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    steps: int = 8
+    rounds: int = 3
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        if self.shape is not None and self.shape not in SHAPES:
+            raise ValueError(f"--shape {self.shape!r} is not known; choose one of {sorted(SHAPES)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        for name in ("steps", "rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if not self.contexts or min(self.contexts) < 1:
+            raise ValueError("--context needs positive token counts, e.g. 4k,16k")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError("--batch needs positive batch sizes, e.g. 1,4")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"--layers must be at least 1, got {self.layers}")
+
+    @property
+    def label(self) -> str:
+        """The model as rows name it."""
+        return (
+            f"random:{self.shape}" + (f"/{self.layers}L" if self.layers else "")
+            if self.shape
+            else str(self.model)
+        )
+
+
+def load_bench_model(config: BenchConfig) -> tuple[Any, Any]:
+    """``(model, tokenizer or None)``: a registry / local model, or random weights of ``config.shape``."""
+    dtype = getattr(torch, config.dtype)
+    if config.shape is None:
+        from kvweave.models import load_model
+
+        model, tokenizer = load_model(str(config.model), dtype=dtype)
+        return model.to(config.device), tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    numbers = dict(SHAPES[config.shape])
+    if config.layers:
+        numbers["num_hidden_layers"] = config.layers
+    model_config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
+    torch.manual_seed(0)
+    with torch.device(config.device):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval(), None
+
+
+def prompt(tokenizer: Any, vocab: int, tokens: int, batch: int, device: str) -> torch.Tensor:
+    """``[batch, tokens]`` prompt ids: CPython's documentation prose (repeated as needed) with a tokenizer,
+    seeded random ids without one; each row starts at another offset so rows differ."""
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(tokens)
+        return torch.randint(3, vocab, (batch, tokens), generator=generator).to(device)
+    from kvweave.eval.tasks import load_haystack
+
+    ids: list[int] = tokenizer.encode(load_haystack("pydoc").text, add_special_tokens=False)
+    while len(ids) < tokens + batch * 997:
+        ids = ids + ids
+    return torch.tensor([ids[row * 997 : row * 997 + tokens] for row in range(batch)], device=device)
+
+
+def copy_bandwidth(device: str, megabytes: int = 256) -> float:
+    """Measured device-memory copy bandwidth in GB/s (bytes read + written per second, best of 5)."""
+    source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device).fill_(1)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak(device: str) -> tuple[int, str]:
+    if device.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated()), "cuda allocator peak"
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(
+        resource.RUSAGE_SELF
+    ).ru_maxrss * scale, "process RSS high-water (all methods so far)"
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the weights a decode step reads (tied embeddings counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for parameter in model.parameters():
+        if parameter.data_ptr() not in seen:
+            seen.add(parameter.data_ptr())
+            total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def read_bytes(cache: Any) -> int:
+    """Bytes one decode step reads from ``cache``: ``cache.read_bytes()`` where a method reads less than it
+    holds, else everything held."""
+    reader = getattr(cache, "read_bytes", None)
+    return int(reader()) if callable(reader) else int(cache.nbytes())
+
+
+@dataclasses.dataclass
+class _Trial:
+    spec: str
+    cache: Any
+    token: torch.Tensor
+    prefill_s: float
+    peak: tuple[int, str]
+    rounds: list[float] = dataclasses.field(default_factory=list)
+
+
+def _prefill(model: Any, spec: str, ids: torch.Tensor, device: str) -> _Trial:
+    import kvweave
+    from kvweave._compat import cache_kwarg
+
+    cache = kvweave.make_cache(spec, model)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    start = time.perf_counter()
+    logits = model(ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return _Trial(spec, cache, logits[:, -1:].argmax(-1), elapsed, _peak(device))
+
+
+def _decode(model: Any, trial: _Trial, steps: int, device: str) -> float:
+    """Decode ``steps`` tokens; returns seconds per step."""
+    from kvweave._compat import cache_kwarg
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    start = time.perf_counter()
+    token = trial.token
+    for _ in range(steps):
+        token = model(token, use_cache=True, **{cache_kwarg(model): trial.cache}).logits[:, -1:].argmax(-1)
+    _sync(device)
+    trial.token = token
+    peak = _peak(device)
+    trial.peak = (max(trial.peak[0], peak[0]), peak[1])
+    return (time.perf_counter() - start) / steps
+
+
+def run_bench(
+    config: BenchConfig,
+    emit: Callable[[dict[str, Any]], None],
+    progress: Callable[[str], None] = lambda text: None,
+) -> list[dict[str, Any]]:
+    """Measure every (context, batch, method); ``emit`` receives each row as soon as its point is done."""
+    from kvweave.eval.runner import environment
+    from kvweave.registry import parse_method
+
+    specs = ["full"] + [s for s in config.methods if s != "full"]
+    for spec in specs:  # a bad spec fails before the model loads
+        parse_method(spec)
+    model, tokenizer = load_bench_model(config)
+    environment_info = {**environment(), "device": config.device, "dtype": config.dtype}
+    if config.device.startswith("cuda"):
+        environment_info["gpu"] = torch.cuda.get_device_name()
+    bandwidth = copy_bandwidth(config.device)
+    weights = weight_bytes(model)
+    vocab = int(model.config.get_text_config().vocab_size)
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for context in config.contexts:
+            for batch in config.batches:
+                progress(f"context {context}, batch {batch}: prefill {len(specs)} methods")
+                ids = prompt(tokenizer, vocab, context, batch, config.device)
+                trials = [_prefill(model, spec, ids, config.device) for spec in specs]
+                for trial in trials:  # warm-up steps, not timed
+                    _decode(model, trial, config.warmup, config.device)
+                for index in range(config.rounds):
+                    progress(f"context {context}, batch {batch}: round {index + 1}/{config.rounds}")
+                    for trial in trials:
+                        trial.rounds.append(_decode(model, trial, config.steps, config.device))
+                point = _rows(config, trials, context, batch, weights, bandwidth, environment_info)
+                for row in point:
+                    emit(row)
+                rows += point
+                del trials
+    return rows
+
+
+def _rows(
+    config: BenchConfig,
+    trials: Sequence[_Trial],
+    context: int,
+    batch: int,
+    weights: int,
+    bandwidth: float,
+    environment_info: dict[str, Any],
+) -> list[dict[str, Any]]:
+    full = trials[0]
+    full_step = statistics.median(full.rounds)
+    full_read = read_bytes(full.cache)
+    rows = []
+    for trial in trials:
+        step = statistics.median(trial.rounds)
+        kv_read = read_bytes(trial.cache)
+        bound = (weights + full_read) / (weights + kv_read)
+        speedup = full_step / step
+        held = trial.cache.nbytes()
+        rows.append(
+            {
+                "kind": "bench",
+                "model": config.label,
+                "method": trial.spec,
+                "context": context,
+                "batch": batch,
+                "device": config.device,
+                "dtype": config.dtype,
+                "steps": config.steps,
+                "rounds": config.rounds,
+                "ms_per_token": round(1000 * step, 3),
+                "tok_s": round(batch / step, 3),
+                "round_ms": [round(1000 * r, 3) for r in trial.rounds],
+                "speedup": round(speedup, 4),
+                "bound": round(bound, 4),
+                "of_bound": round(speedup / bound, 4),
+                "prefill_s": round(trial.prefill_s, 3),
+                "overhead_s": round(trial.prefill_s - full.prefill_s, 3),
+                "kv_bytes": held,
+                "kv_read_bytes": kv_read,
+                "full_kv_bytes_16bit": trial.cache.full_kv_bytes(16),
+                "compression": round(trial.cache.full_kv_bytes(16) / held, 3) if held else None,
+                "weight_bytes": weights,
+                "bandwidth_gb_s": round(bandwidth, 2),
+                "step_bound_ms": round(1000 * (weights + kv_read) / (bandwidth * 1e9), 3),
+                "peak_bytes": trial.peak[0],
+                "peak_kind": trial.peak[1],
+                "environment": environment_info,
+            }
+        )
+    return rows
+
+
+def write_rows(path: str | Path) -> Callable[[dict[str, Any]], None]:
+    """An ``emit`` that appends each row to the JSONL file ``path`` as it comes (nothing lost on a crash)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(row: dict[str, Any]) -> None:
+        with target.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+    return emit
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One line of the table ``kvweave bench`` prints."""
+    return (
+        f"{row['method'][:44]:44s} {row['context']:>7} {row['batch']:>3} {row['ms_per_token']:10.1f} "
+        f"{row['tok_s']:8.2f} {row['speedup']:7.2f}x {row['bound']:6.2f}x {row['of_bound']:6.0%} "
+        f"{row['kv_bytes'] / 2**20:9.1f} {row['prefill_s']:8.1f}"
+    )
+
+
+HEADER = (
+    f"{'method':44s} {'context':>7} {'B':>3} {'ms/token':>10} {'tok/s':>8} {'speedup':>8} {'bound':>7} "
+    f"{'of bnd':>6} {'KV MiB':>9} {'prefill':>8}"
+)

@@ -1,0 +1,288 @@
+"""``depthweave``: DepthWeave-KV, token-adaptive cross-layer residual factorization (seed ``002_*.txt``).
+
+What it stores, for each group of ``group`` adjacent full-attention layers and each of K and V separately::
+
+    X = [X_l1 | ... | X_lG]            [n, G·H·D]   keys pre-RoPE (de-rotated) by default, or post-RoPE
+    X ≈ C · R,  R = [R_l1 | ... | R_lG]        C: [n, r] token-side base ("B" in the seed), R_l: [r, H·D]
+
+- ``R`` comes from a truncated SVD of the group's prefill KV (``lowrank.top_basis``), computed when the
+  group's last layer has stored its KV ("compress on group complete"); that group's exact KV is then freed.
+  Rows are weighted by the attention the prompt's last queries pay them (``weighting``).
+- Exact residual rows (``E_l = K_l - C·R_l`` with an empty base row, i.e. the exact post-RoPE rows, 16-bit or
+  INT8) always for the attention sinks; with ``router=True`` also for the router's top ``residual_tokens``.
+  Exact-row tokens are left out of the SVD: sink keys/values are outliers that would spend the basis.
+- ``router=True``: a calibration-free router scores tokens by the attention the last prompt queries pay them
+  (max-pooled over neighbours, SnapKV-style), the novelty of their KV (energy outside a provisional low-rank
+  basis: numbers, UUIDs, names and rare words are what a shared basis represents worst, whatever their
+  characters) and, when the caller gives the prompt with ``cache.set_prompt(ids, tokenizer)`` before prefill,
+  token content (in-prompt rarity, digits, capitalised tokens). Each signal becomes a
+  percentile and a token takes its best one, so one signal is enough (a needle needs no attention from the
+  prompt's end). Buckets are ragged, each its own ``[n_b, w_b]`` coordinate tensor (no zero padding):
+  top -> exact rows, next ``hi_tokens`` -> width ``r·spread``, ``lo_tokens`` -> ``r/spread``, rest -> ``r``;
+  the lowest ``evict`` fraction can be dropped (eviction, then factorize what is kept).
+- Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
+  exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
+  pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
+  group holds, recent buffer, exact rows and indices included, against a 16-bit full cache of the group).
+- Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
+  (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
+  group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
+  old coordinates are re-expressed, never recomputed from exact KV). With ``target_error`` the probe also
+  raises or lowers the rank of later chunks. Memory per token stays at the compressed rate.
+- Attention never materialises values: ``P·V ≈ (P·C_v)·R_v`` per bucket. Post-RoPE keys use latent scores
+  ``q·(C R_k)ᵀ = (q R_kᵀ)·Cᵀ``; pre-RoPE keys must be reconstructed (the rotation depends on the token and
+  does not commute with a token-side base), so one layer's compressed keys exist transiently during its
+  attention step (the size of that layer's exact keys; never all layers at once). Post-RoPE keys trade
+  quality (below) for that.
+- ``bits=8|4`` stores the token-side coordinates as integers, scales per column over groups of 64 rows;
+  coefficients ``R`` (shared by every token) at 8 bits. 16-bit storage is float16 for float32 models.
+
+Measured (``benchmarks/depthweave_probe.py``; qwen2.5-coder-0.5b, 2 KV heads x 64, 24 layers; 2048 tokens of
+wikitext-2 valid; "held-out": relative attention-output error of the next 128 tokens' queries over the
+compressed tokens, exact vs stored, mean over layers; "KL": next-token KL of those 128 tokens vs the full
+cache; every row 8.0x against a 16-bit full cache unless noted):
+
+    setting                                                      held-out error   KL      top-1
+    plain truncated SVD, G=1 r=16 (no recent, 16-bit; 6.7x)        71%            0.89    56%
+    plain truncated SVD, G=4 r=64 (no recent, 16-bit; 6.2x)        67%            0.42    71%
+    defaults: G=8, INT4, recent=32, uniform rank, sinks exact        16%            0.033   91%
+      group=1 / 2 / 4                                                27 / 21 / 18%  0.10 / 0.043 / 0.042
+      bits=16 / 8                                                    26 / 16%       0.17 / 0.038
+      recent=128 (half the bytes go to the recent buffer at 2K)      20%            0.076
+      residuals=False (sinks factorized too)                         27%            0.078
+      router=True (buckets 2r/r/r/2 for 20/50/30%, 2% exact rows)    19%            0.068
+      router=True, 0.5% exact rows only (spread=1, no buckets)       16%            0.039
+      router=True, evict=0.5                                         26%            0.15
+      keys=post_rope                                                 20%            0.047
+      weighting=0                                                    17%            0.036
+      probes=False, rank=192 (8.6x)                                  16%            0.037
+      compression=4 / 16                                            13 / 25%       0.024 / 0.12
+
+What carries the quality: exact sinks, INT4 coordinates (4x the rank for the bytes), a small recent buffer and
+larger groups. The router's buckets and 2% exact rows lose at 2K tokens: a high bucket adds coefficient rows
+(at n = 2K a basis row costs as much as a coordinate column) and 16-bit exact rows are 8x the price of a
+factorized token; so ``router`` is off by default (it may pay on long contexts and needle tasks: measure
+with ``kvweave eval``). Passkey at 4K tokens, 7.7x: 5/5 depths with router on, off and without exact rows.
+The prefill probe error (queries the router also saw) is within ~10% of the held-out error.
+
+Code: ``__init__`` (this module: the options), ``layer`` (the cache layer), ``group`` (layer groups: their recent
+buffers and the folding), ``store`` (one batch row's storage), ``factorize`` (bases, coefficients, refresh),
+``ranks`` (rank choice), ``router`` (token kinds), ``probes``, ``parts`` (attention over stored parts),
+``chunk`` (what one fold hands over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvweave.methods.depthweave.chunk import EVICTED, EXACT, HI, LO, MID, Chunk, Plan
+from kvweave.methods.depthweave.group import WeaveGroup
+from kvweave.methods.depthweave.layer import DepthWeaveLayer
+from kvweave.methods.depthweave.parts import DensePart, FactorPart, attend_parts
+from kvweave.methods.depthweave.probes import Probe
+from kvweave.methods.depthweave.ranks import (
+    RANK_GRID,
+    Budget,
+    best_within,
+    cheapest_meeting,
+    interpolate,
+    next_rank,
+    other_side,
+)
+from kvweave.methods.depthweave.router import (
+    POOL,
+    content_scores,
+    make_plan,
+    novelty_score,
+    observed_attention,
+    percentile,
+    router_score,
+)
+from kvweave.methods.depthweave.store import COORD_GROUP, RowStore, Segment
+from kvweave.registry import Method, option, register
+
+if TYPE_CHECKING:
+    from kvweave.cache import KVCache
+
+__all__ = [
+    "COORD_GROUP",
+    "EVICTED",
+    "EXACT",
+    "HI",
+    "LO",
+    "MID",
+    "POOL",
+    "RANK_GRID",
+    "Budget",
+    "Chunk",
+    "DensePart",
+    "DepthWeave",
+    "DepthWeaveLayer",
+    "FactorPart",
+    "Plan",
+    "Probe",
+    "RowStore",
+    "Segment",
+    "WeaveGroup",
+    "attend_parts",
+    "best_within",
+    "cheapest_meeting",
+    "content_scores",
+    "interpolate",
+    "make_plan",
+    "next_rank",
+    "other_side",
+    "novelty_score",
+    "observed_attention",
+    "percentile",
+    "router_score",
+]
+
+
+@register("depthweave")
+@dataclasses.dataclass
+class DepthWeave(Method):
+    """DepthWeave-KV: cross-layer shared token bases, token-adaptive ranks, exact rows, probe-chosen ranks."""
+
+    group: int = option(8, "adjacent full-attention layers sharing one token-side base (1, 2, 4 or 8)")
+    keys: str = option(
+        "pre_rope", "factorize keys pre_rope (de-rotated) or post_rope (latent scores, no rotation)"
+    )
+    compression: float | None = option(
+        8.0, "compression vs a 16-bit full cache each group aims for at prefill"
+    )
+    target_error: float | None = option(
+        None, "relative attention-output probe error each group aims for (when set, compression is ignored)"
+    )
+    rank: int = option(
+        32, "base rank when probes=False (and the provisional rank of the router's novelty signal)"
+    )
+    probes: bool = option(True, "choose ranks with attention-output probes (False: the fixed rank)")
+    probe: int = option(16, "last prompt queries used as probes")
+    router: bool = option(
+        False, "token-adaptive buckets, exact rows and eviction (False: uniform rank, sinks exact)"
+    )
+    window: int = option(32, "last prompt queries whose attention the router reads")
+    sinks: int = option(4, "first tokens kept exact (attention sinks)")
+    residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)")
+    residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows")
+    residual_bits: int = option(
+        16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
+    )
+    hi_tokens: float = option(0.2, "fraction of factorized tokens in the high-rank bucket (rank·spread)")
+    lo_tokens: float = option(0.3, "fraction of factorized tokens in the low-rank bucket (rank/spread)")
+    spread: float = option(2.0, "rank ratio between buckets: r_hi = r·spread, r_lo = r/spread")
+    evict: float = option(0.0, "fraction of tokens dropped, lowest router score first (0: none)")
+    bits: int = option(4, "bits of the token-side bases: 16, 8 or 4 (coefficients at 8 when below 16)")
+    recent: int = option(32, "newest tokens kept exact")
+    block: int = option(64, "tokens folded into the factorization at a time while decoding")
+    drift: float = option(1.5, "probe error / reference ratio that refreshes the basis while decoding")
+    weighting: float = option(1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
+    storage: str = option(
+        "auto",
+        "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "
+        "(the model's if 16-bit, else float16), float16, bfloat16 or model",
+    )
+
+    needs_positions = True
+    cross_layer = True
+    budget_options = {"compression": "compression"}
+    renamed_options = {"target_ratio": "compression"}
+    test_options = {
+        "recent": 8,
+        "block": 8,
+        "group": 2,
+        "compression": 3.0,
+        "probe": 4,
+        "window": 8,
+        "sinks": 2,
+    }
+    invalid_options = (
+        ({"group": 3}, "group"),
+        ({"keys": "middle"}, "keys"),
+        ({"compression": 0.5}, "compression"),
+        ({"target_error": 0.0}, "target_error"),
+        ({"rank": 0}, "rank"),
+        ({"probe": 0}, "probe"),
+        ({"window": 0}, "window"),
+        ({"sinks": -1}, "sinks"),
+        ({"residual_tokens": 1.5}, "residual_tokens"),
+        ({"residual_bits": 4}, "residual_bits"),
+        ({"hi_tokens": -0.1}, "hi_tokens"),
+        ({"hi_tokens": 0.7, "lo_tokens": 0.5}, "lo_tokens"),
+        ({"spread": 0.5}, "spread"),
+        ({"evict": 1.0}, "evict"),
+        ({"evict": 0.5, "router": False}, "evict"),
+        ({"bits": 5}, "bits"),
+        ({"recent": -1}, "recent"),
+        ({"block": 0}, "block"),
+        ({"drift": 0.9}, "drift"),
+        ({"storage": "int8"}, "storage"),
+    )
+
+    def __post_init__(self) -> None:
+        self.check_choice("group", [1, 2, 4, 8])
+        self.check_choice("keys", ["pre_rope", "post_rope"])
+        if self.compression is not None:
+            self.check_range("compression", 1.0)
+        if self.target_error is not None:
+            self.check_range("target_error", 1e-6, 10.0)
+            if self.target_error < 1e-6:
+                raise ValueError(f"{self.name}: option target_error={self.target_error!r} must be > 0")
+        self.check_range("rank", 1)
+        self.check_range("probe", 1)
+        self.check_range("window", 1)
+        self.check_range("sinks", 0)
+        self.check_range("residual_tokens", 0.0, 1.0)
+        self.check_choice("residual_bits", [16, 8])
+        self.check_range("hi_tokens", 0.0, 1.0)
+        self.check_range("lo_tokens", 0.0, 1.0 - self.hi_tokens)
+        self.check_range("spread", 1.0, 64.0)
+        self.check_range("evict", 0.0, 0.99)
+        if self.evict > 0 and not self.router:
+            raise ValueError(
+                f"{self.name}: option evict={self.evict!r} needs router=True (eviction follows router "
+                "scores); allowed with router=False: 0"
+            )
+        self.check_choice("bits", [16, 8, 4])
+        self.check_range("recent", 0)
+        self.check_range("block", 1)
+        self.check_range("drift", 1.0)
+        self.check_choice("storage", ["auto", "float16", "bfloat16", "model"])
+        self.check_range("weighting", 0.0)
+
+    @property
+    def coefficient_bits(self) -> int:
+        """Bits of the per-layer coefficients ``R_l`` (never below 8: every token of the group uses them)."""
+        return 16 if self.bits == 16 else 8
+
+    def bucket_widths(self, rank: int, cap: int) -> tuple[int, int, int]:
+        """Coordinate widths ``(hi, mid, lo)`` for base rank ``rank`` (at most ``cap``)."""
+        mid = max(1, min(rank, cap))
+        if not self.router:
+            return mid, mid, mid
+        return (
+            min(cap, max(mid, math.ceil(rank * self.spread))),
+            mid,
+            max(1, min(mid, int(rank / self.spread))),
+        )
+
+    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of everything stored at 16 bits (``model``: the model's own, also when it is float32)."""
+        if self.storage == "model" or (self.storage == "auto" and model_dtype.itemsize == 2):
+            return model_dtype
+        return torch.bfloat16 if self.storage == "bfloat16" else torch.float16
+
+    def make_layer(self, cache: KVCache, layer_idx: int) -> DepthWeaveLayer:
+        return DepthWeaveLayer(cache, layer_idx, self)
+
+    def bind_layers(self, cache: KVCache) -> None:
+        """Form the groups, once: each ``group`` consecutive layers this method built (in index order) share a
+        :class:`WeaveGroup`, stored in ``cache.context.groups`` by index; each layer gets a reference to its group."""
+        layers = [layer for layer in cache.layers if isinstance(layer, DepthWeaveLayer)]
+        for index, start in enumerate(range(0, len(layers), self.group)):
+            cache.context.groups[index] = WeaveGroup(layers[start : start + self.group], index)

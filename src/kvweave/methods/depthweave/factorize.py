@@ -1,0 +1,247 @@
+"""Factorization of a row store: bases and coefficients from a chunk, projection of later chunks, refresh.
+
+Functions over a :class:`~kvweave.methods.depthweave.store.RowStore`: :func:`add_chunk` folds a chunk in (the
+first creates the bases by a weighted truncated SVD, ``kvweave.ops.lowrank``, with probe-chosen ranks; later ones
+are projected onto them and may refresh them); :func:`stored_chunk` is a chunk as it would be stored (quantized
+through ``kvweave.ops.quantize``), which the probes compare with the exact chunk.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvweave.methods.depthweave.chunk import EVICTED, EXACT, HI, LO, MID, Chunk, Plan
+from kvweave.methods.depthweave.ranks import (
+    Budget,
+    interpolate,
+    next_rank,
+    ranks_for_error,
+    ranks_within,
+    side_bytes,
+)
+from kvweave.methods.depthweave.router import make_plan, novelty_score
+from kvweave.methods.depthweave.store import COORD_GROUP, RowStore
+from kvweave.ops.lowrank import orthonormal_columns, top_basis
+from kvweave.ops.quantize import fake_quantize, pack
+from kvweave.ops.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from kvweave.methods.depthweave.probes import Probe
+    from kvweave.ops.rope import Rotary
+
+
+def add_chunk(
+    store: RowStore, chunk: Chunk, probe: Probe | None, rotary: Rotary | None, budget: Budget
+) -> None:
+    """Fold ``chunk`` into ``store``: a first chunk creates the bases, later ones are projected onto them."""
+    cos_sin = rotary.cos_sin(chunk.positions.view(1, -1), chunk.x_k.device) if rotary is not None else None
+    if not store.basis["k"]:
+        initialize(store, chunk, probe, cos_sin, budget)
+    else:
+        project(store, chunk, probe if store.method.probes else None, cos_sin)
+    store.log["folds"] += 1
+
+
+def initialize(store: RowStore, chunk: Chunk, probe: Probe | None, cos_sin: Any, budget: Budget) -> None:
+    """Prefill fold: plan the tokens, find the bases (weighted truncated SVD), choose the ranks, store."""
+    method = store.method
+    novelty = None
+    if method.router:
+        provisional = {s: top_basis(x, method.rank)[0] for s, x in (("k", chunk.x_k), ("v", chunk.x_v))}
+        novelty = novelty_score(chunk, provisional["k"].T, provisional["v"].T)
+    plan = make_plan(chunk, novelty, method)
+    factor = plan.index(HI, MID, LO)
+    limit = chunk.x_k.shape[1] if chunk.x_k.shape[1] <= 2048 else 1024  # randomized SVD beyond 2048 columns
+    weight = torch.ones(factor.numel(), device=chunk.x_k.device)
+    if method.weighting > 0:  # rows the prompt's end attends to count more in the basis
+        attention = chunk.attention[factor]
+        weight = weight + method.weighting * attention / attention.mean().clamp_min(1e-12)
+    rows = weight.sqrt().unsqueeze(1)
+    bases = {s: top_basis(x[factor] * rows, limit)[0] for s, x in (("k", chunk.x_k), ("v", chunk.x_v))}
+    caps = {s: v.shape[1] for s, v in bases.items()}
+    if method.probes and probe is not None:
+        ranks = choose_ranks(store, chunk, plan, bases, probe, cos_sin, budget)
+    else:
+        ranks = {s: min(method.rank, caps[s]) for s in ("k", "v")}
+    for side in ("k", "v"):
+        store.rank[side] = ranks[side]
+        store.set_basis(side, bases[side][:, : method.bucket_widths(ranks[side], caps[side])[0]].T)
+    store.store(chunk, plan)
+    store.log.update(
+        rank_k=ranks["k"], rank_v=ranks["v"], basis_k=store.total_rank("k"), basis_v=store.total_rank("v")
+    )
+    if probe is not None:
+        keys, values = stored_chunk(store, chunk, plan, cos_sin)
+        store.probe_reference = probe.error(keys, values, plan.kind != EVICTED)
+        store.log["probe_error"] = store.probe_reference
+
+
+def project(store: RowStore, chunk: Chunk, probe: Probe | None, cos_sin: Any) -> None:
+    """Decode-time fold: project onto the bases; refresh them or move the rank when the probe says so."""
+    method = store.method
+    novelty = None
+    if method.router:
+        novelty = novelty_score(chunk, store.basis_matrix("k"), store.basis_matrix("v"))
+    plan = make_plan(chunk, novelty, method)
+    if probe is not None:
+        keys, values = stored_chunk(store, chunk, plan, cos_sin)
+        error = probe.error(keys, values, plan.kind != EVICTED)
+        store.log["last_fold_error"] = error
+        reference = method.target_error or store.probe_reference or error
+        if error > method.drift * reference:
+            if method.target_error is not None:  # error-driven: later chunks get the next rank up
+                store.rank = {s: next_rank(r, +1) for s, r in store.rank.items()}
+            refresh(store, chunk, plan)
+            store.log["refreshes"] += 1
+            if method.target_error is None:
+                # what the refreshed basis achieves is the new reference: a probe that reads high for
+                # reasons a basis cannot fix (one query, a short chunk) must not refresh every fold, and
+                # every refresh re-quantizes the old coordinates
+                keys, values = stored_chunk(store, chunk, plan, cos_sin)
+                store.probe_reference = max(reference, probe.error(keys, values, plan.kind != EVICTED))
+        elif method.target_error is not None and error * method.drift < reference:
+            store.rank = {s: next_rank(r, -1) for s, r in store.rank.items()}
+        store.log.update(rank_k=store.rank["k"], rank_v=store.rank["v"])
+    store.store(chunk, plan)
+
+
+def stored_chunk(
+    store: RowStore, chunk: Chunk, plan: Plan, cos_sin: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer ``[H, n, D]`` post-RoPE keys and values of ``chunk`` as they would be stored now."""
+    method = store.method
+    recon = {}
+    for side, x in (("k", chunk.x_k), ("v", chunk.x_v)):
+        basis = store.basis_matrix(side)
+        coords = x @ torch.linalg.pinv(basis)
+        width = torch.zeros(chunk.size, dtype=torch.int64, device=x.device)
+        for kind, w in zip(
+            (HI, MID, LO), method.bucket_widths(store.rank[side], basis.shape[0]), strict=True
+        ):
+            width[plan.kind == kind] = w
+        coords = coords * (torch.arange(coords.shape[1], device=x.device) < width.unsqueeze(1))
+        recon[side] = fake_quantize(coords, method.bits, COORD_GROUP) @ basis
+    return assemble(store, chunk, plan, recon["k"], recon["v"], cos_sin)
+
+
+def assemble(
+    store: RowStore,
+    chunk: Chunk,
+    plan: Plan,
+    recon_k: torch.Tensor | None,
+    recon_v: torch.Tensor | None,
+    cos_sin: Any,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Exact rows as stored, factorized rows from ``recon_*: [n, G·H·D]`` (``None``: exact), per layer."""
+    factor = plan.index(HI, MID, LO)
+    exact = plan.index(EXACT)
+    bits = store.method.residual_bits
+    keys, values = [], []
+    for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
+        k, v = k.float().clone(), v.float().clone()
+        if exact.numel() and bits != 16:
+            k[:, exact] = fake_quantize(k[:, exact], bits, 0)
+            v[:, exact] = fake_quantize(v[:, exact], bits, 0)
+        columns = slice(i * store.width, (i + 1) * store.width)
+        if recon_k is not None and factor.numel():
+            rows = recon_k[factor, columns].view(-1, store.heads, store.dim).transpose(0, 1)  # [H, n_f, D]
+            if cos_sin is not None:
+                cos, sin = cos_sin
+                rows = apply_rotary(rows.unsqueeze(0), cos[:, factor], sin[:, factor])[0]
+            k[:, factor] = rows
+        if recon_v is not None and factor.numel():
+            v[:, factor] = recon_v[factor, columns].view(-1, store.heads, store.dim).transpose(0, 1)
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+def choose_ranks(
+    store: RowStore,
+    chunk: Chunk,
+    plan: Plan,
+    bases: dict[str, torch.Tensor],
+    probe: Probe,
+    cos_sin: Any,
+    budget: Budget,
+) -> dict[str, int]:
+    """``r_K, r_V`` from probe errors: cheapest meeting ``target_error``, or best within the budget."""
+    method = store.method
+    factor = plan.index(HI, MID, LO)
+    counts = plan.counts()
+    bucket_sizes = (counts["hi"], counts["mid"], counts["lo"])
+    element = torch.empty(0, dtype=store.dtype).element_size()
+    exact_keys = [k.float() for k in chunk.keys]
+    exact_values = [v.float() for v in chunk.values]
+    keep = plan.kind != EVICTED
+    caps = {s: bases[s].shape[1] for s in ("k", "v")}
+
+    def cost(side: str, rank: int) -> int:
+        return side_bytes(method, bucket_sizes, caps[side], rank, len(store.members), store.width, element)
+
+    def side_error(side: str, rank: int) -> float:
+        basis = bases[side]
+        cap = basis.shape[1]
+        widths = method.bucket_widths(rank, cap)
+        top = widths[0]
+        x = chunk.x_k if side == "k" else chunk.x_v
+        coords = x[factor] @ basis[:, :top]
+        width = torch.tensor(widths, device=x.device)[plan.kind[factor].clamp(max=LO)]
+        coords = coords * (torch.arange(top, device=x.device) < width.unsqueeze(1))
+        r = fake_quantize(basis[:, :top].T.contiguous(), method.coefficient_bits, top)
+        recon = torch.zeros_like(x)
+        recon[factor] = fake_quantize(coords, method.bits, COORD_GROUP) @ r
+        if side == "k":
+            keys, _ = assemble(store, chunk, plan, recon, None, cos_sin)
+            return probe.error(keys, exact_values, keep)
+        _, values = assemble(store, chunk, plan, None, recon, cos_sin)
+        return probe.error(exact_keys, values, keep)
+
+    if method.target_error is not None:
+        ranks, errors = ranks_for_error(caps, cost, side_error, method.target_error)
+    else:  # byte budget: what the row may spend on coordinates and coefficients
+        fixed = budget.recent_bytes + store.exact_bytes_estimate(counts["exact"], element)
+        fixed += (int(factor.numel()) * (8 if method.keys == "pre_rope" else 4)) + counts["exact"] * 4
+        available = budget.full_16bit / (method.compression or 8.0) - fixed
+        ranks, errors = ranks_within(caps, cost, side_error, available)
+    store.log["probe_error_k"] = interpolate(errors["k"], ranks["k"])
+    store.log["probe_error_v"] = interpolate(errors["v"], ranks["v"])
+    return ranks
+
+
+def refresh(store: RowStore, chunk: Chunk, plan: Plan) -> None:
+    """New bases: top directions of (stored reconstruction + this chunk), old coordinates re-expressed.
+
+    Works in the span of the old basis and the chunk (``Q: [G·H·D, k]``): it needs no exact old KV and
+    costs ``O(n·r²)``. Segment widths stay; the total rank may grow to fit a raised rank.
+    """
+    method = store.method
+    factor = plan.index(HI, MID, LO)
+    for side in ("k", "v"):
+        old = store.basis_matrix(side)  # [r, W]
+        x = (chunk.x_k if side == "k" else chunk.x_v)[factor]
+        total = max(old.shape[0], method.bucket_widths(store.rank[side], old.shape[1])[0])
+        q = orthonormal_columns(torch.cat([old.T, x.T], dim=1))  # [W, k]
+        projected = x @ q
+        gram = projected.T @ projected
+        segments = list(store.segments.values())
+        for segment in segments:
+            coords = (segment.coords_k if side == "k" else segment.coords_v).dequantize()
+            a = old[: coords.shape[1]] @ q  # [w, k]
+            gram += a.T @ (coords.T @ coords) @ a
+        values, vectors = torch.linalg.eigh(gram.double())
+        top = vectors.flip(1)[:, : min(total, q.shape[1])].float()  # [k, r']
+        for segment in segments:
+            packed = segment.coords_k if side == "k" else segment.coords_v
+            coords = packed.dequantize()
+            width = coords.shape[1]
+            new = coords @ (old[:width] @ q @ top[:, :width])
+            repacked = pack(new, method.bits, COORD_GROUP, store.dtype)
+            if side == "k":
+                segment.coords_k = repacked
+            else:
+                segment.coords_v = repacked
+        store.set_basis(side, (q @ top).T)
+    store.log.update(basis_k=store.total_rank("k"), basis_v=store.total_rank("v"))

@@ -1,0 +1,256 @@
+"""A group of layers sharing one token-side base: their recent buffers, the row stores, and the folding.
+
+Data flow of one step: every member layer appends its new tokens to its own :class:`RecentBuffer` (held here,
+in ``WeaveGroup.recent``) and attends over the group's row stores plus that buffer; once the last member has
+stored the step, :meth:`WeaveGroup.fold` moves the oldest tokens of every member's buffer into the stores and
+drops them from the buffers. Layers never touch each other's buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvweave.cache import tensors_nbytes
+from kvweave.methods.depthweave.chunk import Chunk
+from kvweave.methods.depthweave.factorize import add_chunk
+from kvweave.methods.depthweave.probes import Probe
+from kvweave.methods.depthweave.ranks import Budget
+from kvweave.methods.depthweave.router import content_scores
+from kvweave.methods.depthweave.store import RowStore
+from kvweave.state import Stateful
+
+if TYPE_CHECKING:
+    from kvweave.methods.depthweave.layer import DepthWeaveLayer
+
+
+class RecentBuffer(Stateful):
+    """One member layer's newest tokens, exact and post-RoPE, and the probe queries it gave for this step's fold.
+
+    The layer appends to it and attends over it; its group folds the oldest tokens away (:meth:`drop`).
+    """
+
+    state_name = "depthweave.RecentBuffer"
+
+    state_fields = ("keys", "values", "positions", "score", "queries", "query_slots", "scaling")
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None  # [B, H, m, D] post-RoPE, exact
+        self.values: torch.Tensor | None = None  # [B, H, m, D]
+        self.positions: torch.Tensor | None = None  # [B, m] int32 RoPE positions
+        self.score: torch.Tensor | None = None  # [B, m] float32 attention received (router signal)
+        self.queries: torch.Tensor | None = None  # [B, Hq, p, D] probe queries, held until the group folds
+        self.query_slots: torch.Tensor | None = None  # [p] their token indices
+        self.scaling = 1.0  # the attention scale of those queries
+
+    def count(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add new tokens ``[B, H, q, D]`` (storage dtype) with their ``[B, q]`` int32 positions."""
+        score = torch.zeros(key.shape[0], key.shape[2], dtype=torch.float32, device=key.device)
+        if self.keys is None:
+            self.keys, self.values = key, value
+            self.positions, self.score = positions.contiguous(), score
+            return
+        self.keys = torch.cat([self.keys, key], dim=2)
+        self.values = torch.cat([self.values, value], dim=2)  # type: ignore[list-item]
+        self.positions = torch.cat([self.positions, positions], 1)  # type: ignore[list-item]
+        self.score = torch.cat([self.score, score], dim=1)  # type: ignore[list-item]
+
+    def keep_queries(self, queries: torch.Tensor, slots: torch.Tensor, scaling: float) -> None:
+        """Hold this step's probe queries ``[B, Hq, p, D]`` (token indices ``slots: [p]``) for the fold."""
+        self.queries, self.query_slots, self.scaling = queries, slots, scaling
+
+    def drop(self, count: int) -> None:
+        """Forget the oldest ``count`` tokens (they now live in the group's row stores) and the probe queries."""
+        self.keys = self.keys[:, :, count:].clone()  # type: ignore[index]
+        self.values = self.values[:, :, count:].clone()  # type: ignore[index]
+        self.positions = self.positions[:, count:].clone()  # type: ignore[index]
+        self.score = self.score[:, count:].clone()  # type: ignore[index]
+        self.queries = self.query_slots = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` of the tokens (probe queries live only within a step)."""
+        for name in ("keys", "values", "positions", "score"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, rows.to(value.device)))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tokens' tensors (for byte accounting)."""
+        return [t for t in (self.keys, self.values, self.positions, self.score) if t is not None]
+
+    def query_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.queries, self.query_slots) if t is not None]
+
+
+class WeaveGroup(Stateful):
+    """The layers sharing one token-side base: their recent buffers and one :class:`RowStore` per batch row
+    (ranks are per row).
+
+    Formed once by ``DepthWeave.bind_layers`` (into ``cache.context.groups``); every member holds a reference to
+    it. Saved: the members (as references to the cache's layers), the buffers and the stores; a loaded group
+    points its members at itself again (:meth:`after_load`).
+    """
+
+    state_name = "depthweave.WeaveGroup"
+
+    state_fields = ("layers", "index", "recent", "rows")
+
+    def __init__(self, layers: list[DepthWeaveLayer], index: int) -> None:
+        self.layers = list(layers)
+        self.index = index
+        self.recent = {layer.layer_idx: RecentBuffer() for layer in self.layers}  # by member layer index
+        self.rows: list[RowStore | None] = []
+        self._bind()
+
+    def after_load(self) -> None:
+        self._bind()
+
+    def _bind(self) -> None:
+        """What follows from the members: their indices, the method and cache; each member points here."""
+        self.members = [layer.layer_idx for layer in self.layers]
+        self.method = self.layers[0].method
+        self.cache = self.layers[0].cache
+        for layer in self.layers:
+            layer.group = self
+
+    def reset_member(self, layer_idx: int) -> None:
+        """Member ``layer_idx`` was reset: its recent buffer starts empty, and so do the row stores."""
+        self.recent[layer_idx] = RecentBuffer()
+        self.rows = []
+
+    def fold_count(self, layer_idx: int, first: int) -> int:
+        """Tokens to fold this step: at prefill all but ``recent``, later whole multiples of ``block``."""
+        extra = self.recent[layer_idx].count() - self.method.recent
+        if first == 0:
+            return max(extra, 0)
+        return extra if extra >= self.method.block else 0
+
+    def fold(self, owner: DepthWeaveLayer, count: int, first: int) -> None:
+        """Move the oldest ``count`` tokens of every member's buffer into the row stores.
+
+        Called by ``owner``, the last member, once it has stored this step (so has every member): its tokens
+        seen, batch rows and padding are the group's.
+        """
+        buffers = [self.recent[i] for i in self.members]
+        newest = buffers[-1]
+        rows = owner.rows
+        if not self.rows:
+            self.rows = [None] * rows
+        start = owner.seen - newest.count()
+        slots = torch.arange(start, start + count, device=owner.device)
+        positions = newest.positions[:, :count].long()  # type: ignore[index]
+        keys = [buffer.keys[:, :, :count] for buffer in buffers]  # type: ignore[index]
+        values = [buffer.values[:, :, :count] for buffer in buffers]  # type: ignore[index]
+        rotary = self.cache.rotary_for(self.members[0]) if self.method.keys == "pre_rope" else None
+        factor_keys = [rotary.unrotate(k.float(), positions) if rotary else k.float() for k in keys]
+        scores = [buffer.score[:, :count] for buffer in buffers]  # type: ignore[index]
+        attention = torch.stack(scores).mean(0)
+        context = self.cache.context
+        content = content_scores(context.prompt_ids, context.tokenizer, slots, rows) if first == 0 else None
+        pad_count: torch.Tensor = owner.pad_count  # type: ignore[assignment]
+        padding = slots.view(1, -1) < pad_count.view(-1, 1)
+        heads, dim = keys[0].shape[1], keys[0].shape[3]
+        per_token_16bit = len(buffers) * 2 * heads * dim * 2  # a 16-bit full cache of this group, per token
+        kept_recent = newest.count() - count
+        element = newest.keys.element_size()  # type: ignore[union-attr]
+        recent_bytes = len(buffers) * kept_recent * (2 * heads * dim * element + 8)  # + position, score
+        for b in range(rows):
+            real = (~padding[b]).nonzero().squeeze(1)
+            if real.numel() == 0:
+                continue
+            chunk = Chunk(
+                slots=slots[real],
+                positions=positions[b, real],
+                x_k=torch.cat([k[b][:, real].transpose(0, 1).flatten(1) for k in factor_keys], dim=1),
+                x_v=torch.cat([v[b][:, real].transpose(0, 1).flatten(1).float() for v in values], dim=1),
+                keys=[k[b][:, real] for k in keys],
+                values=[v[b][:, real] for v in values],
+                attention=attention[b, real],
+                content=None if content is None else content[b, real],
+                sink=(slots[real] - pad_count[b]) < self.method.sinks if first == 0 else None,
+            )
+            probe = None
+            if all(buffer.queries is not None for buffer in buffers):
+                probe = Probe(
+                    [buffer.queries[b].float() for buffer in buffers],  # type: ignore[index]
+                    buffers[0].query_slots,  # type: ignore[arg-type]
+                    chunk,
+                    [buffer.scaling for buffer in buffers],
+                )
+            store = self.rows[b]
+            if store is None:
+                dtype = self.method.storage_dtype(owner.dtype)
+                store = self.rows[b] = RowStore(self.method, self.members, heads, dim, dtype)
+            # the budget counts the row's own tokens, so a padded row compresses as it would alone
+            real_tokens = owner.seen - int(pad_count[b])
+            budget = Budget(per_token_16bit * real_tokens, recent_bytes)
+            add_chunk(store, chunk, probe, rotary, budget)
+        for buffer in buffers:
+            buffer.drop(count)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the row stores of batch rows ``rows`` (each member selects its own buffer's rows)."""
+        if not self.rows:
+            return
+        picked, seen = [], set()
+        for index in rows.tolist():
+            store = self.rows[index]
+            picked.append(copy.deepcopy(store) if index in seen else store)
+            seen.add(index)
+        self.rows = picked
+
+    def summary(self) -> dict[str, Any]:
+        """Ranks, probe errors, token kinds and bytes by part, summed over rows (ranks/errors: mean)."""
+        stores = [s for s in self.rows if s is not None]
+        if not stores:
+            return {"compressed": False}
+        parts = {"coordinates": 0, "coefficients": 0, "exact_rows": 0, "indices": 0, "recent": 0}
+        parts_16bit = dict(parts)
+        for store in stores:
+            for key, (held, unquantized) in store.part_bytes(self.members).items():
+                parts[key] += held
+                parts_16bit[key] += unquantized
+        for buffer in self.recent.values():
+            recent = tensors_nbytes(buffer.tensors())
+            parts["recent"] += recent
+            parts_16bit["recent"] += recent
+        owner = self.layers[-1]
+        shape = self.recent[owner.layer_idx].keys.shape  # type: ignore[union-attr]
+        full = (
+            2 * owner.rows * shape[1] * shape[3] * 2 * owner.seen * len(self.layers)
+        )  # 16-bit full, [B, H, m, D]
+        held, unquantized = sum(parts.values()), sum(parts_16bit.values())
+        tokens: dict[str, int] = {}
+        for store in stores:
+            for key, value in store.token_counts.items():
+                tokens[key] = tokens.get(key, 0) + value
+
+        def mean(key: str) -> float | None:
+            values = [s.log[key] for s in stores if s.log.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
+        return {
+            "compressed": True,
+            "rank_k": mean("rank_k"),
+            "rank_v": mean("rank_v"),
+            "basis_k": mean("basis_k"),
+            "basis_v": mean("basis_v"),
+            "probe_error": mean("probe_error"),
+            "probe_error_k": mean("probe_error_k"),
+            "probe_error_v": mean("probe_error_v"),
+            "last_fold_error": mean("last_fold_error"),
+            "folds": mean("folds"),
+            "refreshes": mean("refreshes"),
+            "tokens": tokens,
+            "group_bytes": held,
+            "group_bytes_unquantized": unquantized,
+            "bytes_by_part": parts,
+            "group_full_16bit": full,
+            "group_compression": full / held if held else None,
+            "group_compression_unquantized": full / unquantized if unquantized else None,
+        }

@@ -1,0 +1,178 @@
+"""The cache layer: attention over the group's row stores plus this layer's exact recent buffer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvweave._compat import mask_to_bool, sdpa_attention
+from kvweave.cache import CompressedLayer, tensors_nbytes
+from kvweave.methods.depthweave.parts import DensePart, attend_parts
+from kvweave.methods.depthweave.router import observed_attention
+from kvweave.ops.masking import prompt_padding
+
+if TYPE_CHECKING:
+    from kvweave.cache import KVCache
+    from kvweave.methods.depthweave import DepthWeave
+    from kvweave.methods.depthweave.group import RecentBuffer, WeaveGroup
+
+
+class DepthWeaveLayer(CompressedLayer):
+    """One full-attention layer: an exact recent buffer; older tokens live in its group's row stores.
+
+    The buffer and the stores belong to the layer's :class:`WeaveGroup` (``group``, set once all layers are
+    built, by ``DepthWeave.bind_layers``), which saves them; the layer saves only the common bookkeeping.
+    """
+
+    state_fields = CompressedLayer.state_fields
+    group: WeaveGroup
+
+    def __init__(self, cache: KVCache, layer_idx: int, method: DepthWeave) -> None:
+        super().__init__(cache, layer_idx)
+        self.method = method
+
+    @property
+    def recent(self) -> RecentBuffer:
+        """This layer's exact newest tokens (held by its group, which folds them)."""
+        return self.group.recent[self.layer_idx]
+
+    def reset(self) -> None:
+        """Forget every token: this layer's bookkeeping and recent buffer, and its group's row stores (the group
+        binding stays: ``cache.reset()`` resets every member, so the whole group starts fresh)."""
+        self.__init__(self.cache, self.layer_idx, self.method)  # type: ignore[misc]
+        self.group.reset_member(self.layer_idx)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.recent.select_rows(rows)
+        if self.layer_idx == self.group.members[-1]:
+            self.group.select_rows(rows)
+
+    # -- attention step
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """``query: [B, Hq, q, D]``, ``key, value: [B, H, q, D]`` (post-RoPE) -> ``[B, q, Hq, D]``."""
+        first, q_len = self.seen, key.shape[2]
+        scaling = float(kwargs.get("scaling") or query.shape[-1] ** -0.5)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(first, first + q_len, device=key.device).view(1, -1)
+        self.push_recent(key, value, positions.expand(self.rows, -1))
+        self.seen += q_len
+        group, recent = self.group, self.recent
+        if first == 0:  # prefill: exact attention, like every method; compression happens as the KV is stored
+            self.pad_count = prompt_padding(attention_mask, self.rows, q_len, key.device)
+            if getattr(self.cache, "replaying", False):  # shared-prefill replay: only the store matters
+                out = query.new_empty(0)
+            else:
+                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            if self.method.router or self.method.weighting > 0:
+                recent.score = observed_attention(query, key, self.pad_count, self.method.window, scaling)
+        else:
+            out = self.compressed_attention(query, attention_mask, first, scaling)
+        count = group.fold_count(self.layer_idx, first)
+        if count > 0 and (self.method.probes or first == 0):  # prefill probes also measure fixed ranks
+            keep = min(self.method.probe, q_len)
+            slots = torch.arange(first + q_len - keep, first + q_len, device=key.device)
+            recent.keep_queries(query[:, :, -keep:].clone(), slots, scaling)
+        if count > 0 and self.layer_idx == group.members[-1]:  # every member has stored this step
+            group.fold(self, count, first)
+        return out  # type: ignore[no-any-return]
+
+    def push_recent(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append new exact tokens ``[B, H, q, D]`` to the recent buffer (in the storage dtype)."""
+        positions = positions.to(torch.int32)
+        dtype = self.method.storage_dtype(key.dtype)
+        key, value = key.to(dtype), value.to(dtype)
+        if dtype != self.dtype and not (torch.isfinite(key).all() and torch.isfinite(value).all()):
+            raise ValueError(
+                f"{self.method.name}: keys/values overflow storage dtype {dtype} in layer "
+                f"{self.layer_idx}; use storage=bfloat16 or storage=model"
+            )
+        self.recent.append(key, value, positions)
+
+    def recent_count(self) -> int:
+        return self.recent.count()
+
+    def compressed_attention(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int, scaling: float
+    ) -> torch.Tensor:
+        """Attention of the new queries over the group's stores + the recent buffer, row by row."""
+        mask = mask_to_bool(attention_mask)
+        recent = self.recent
+        m = recent.count()
+        recent_slots = torch.arange(self.seen - m, self.seen, device=query.device)
+        stores = self.group.rows
+        rotary = self.cache.rotary_for(self.layer_idx) if self.method.keys == "pre_rope" else None
+        outs = []
+        for b in range(query.shape[0]):
+            store = stores[b] if b < len(stores) else None
+            parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
+            keys, values = recent.keys[b], recent.values[b]  # type: ignore[index]
+            parts.append(DensePart(keys.float(), values.float(), recent_slots))
+            row_mask = None if mask is None else mask[b : b + 1]
+            out, recent_attention = attend_parts(query[b].float(), parts, row_mask, first, scaling)
+            score = recent.score[b]  # type: ignore[index]
+            recent.score[b] = torch.maximum(score, recent_attention)  # type: ignore[index]
+            outs.append(out)
+        return torch.stack(outs).to(query.dtype)
+
+    def held_kv(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``keys, values: [H, N, D]`` float32 post-RoPE and ``slots: [N]``: all that row ``row`` attends to.
+
+        Materialises the whole layer (diagnostics and tests; attention itself never reconstructs values).
+        """
+        stores = self.group.rows
+        store = stores[row] if row < len(stores) else None
+        rotary = self.cache.rotary_for(self.layer_idx) if self.method.keys == "pre_rope" else None
+        keys, values, slots = [], [], []
+        for part in store.attention_parts(self.layer_idx, rotary) if store is not None else []:
+            k, v = part.dense()
+            keys.append(k)
+            values.append(v)
+            slots.append(part.slots)
+        recent = self.recent
+        m = recent.count()
+        keys.append(recent.keys[row].float())  # type: ignore[index]
+        values.append(recent.values[row].float())  # type: ignore[index]
+        slots.append(torch.arange(self.seen - m, self.seen, device=self.device))
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(slots)
+
+    # -- accounting
+    def nbytes(self) -> int:
+        recent = self.recent
+        tensors = recent.tensors() + ([self.pad_count] if self.pad_count is not None else [])
+        tensors += recent.query_tensors()
+        group = self.group
+        for store in group.rows:
+            if store is not None:
+                tensors += store.layer_tensors(self.layer_idx)
+                if self.layer_idx == group.members[-1]:
+                    tensors += store.shared_tensors()
+        return tensors_nbytes(tensors)
+
+    def entries(self) -> int:
+        """Tokens held (row 0): recent + exact rows + factorized tokens."""
+        stores = self.group.rows
+        held = stores[0].tokens() if stores and stores[0] is not None else 0
+        return self.recent_count() + held
+
+    def layer_stats(self) -> dict[str, Any]:
+        group = self.group
+        stats = {
+            "entries": self.entries(),
+            "recent": self.recent_count(),
+            "group": group.index,
+            "group_layers": list(group.members),
+            "group_owner": self.layer_idx == group.members[-1],
+        }
+        stats.update(group.summary())
+        return stats

@@ -1,0 +1,98 @@
+"""Attention over what a row store holds, part by part: exact rows (:class:`DensePart`), factorized segments
+(:class:`FactorPart`, values never materialised) and the recent buffer, combined by :func:`attend_parts`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvweave.ops.masking import visible_mask
+
+
+class DensePart:
+    """Exact (or dequantized) entries: ``keys, values: [H, n, D]`` float32, ``slots: [n]``."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        self.keys, self.values, self.slots = keys, values, slots
+
+    def logits(self, query: torch.Tensor) -> torch.Tensor:
+        """``query: [H, M, D]`` -> ``[H, M, n]``."""
+        return query @ self.keys.transpose(-1, -2)
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs: [H, M, n]`` -> ``[H, M, D]``."""
+        return probs @ self.values
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+
+class FactorPart:
+    """Factorized segments: values as ``(P·C_v)·R_v`` per segment; keys dense (pre-RoPE, reconstructed and
+    rotated) or latent (post-RoPE: ``(q·R_kᵀ)·C_kᵀ``)."""
+
+    def __init__(
+        self,
+        coords_k: list[torch.Tensor],
+        coords_v: list[torch.Tensor],
+        r_k: torch.Tensor,
+        r_v: torch.Tensor,
+        slots: torch.Tensor,
+        keys: torch.Tensor | None,
+    ) -> None:
+        self.coords_k, self.coords_v, self.r_k, self.r_v = coords_k, coords_v, r_k, r_v  # r_*: [r, H, D]
+        self.slots, self.keys = slots, keys
+
+    def logits(self, query: torch.Tensor) -> torch.Tensor:
+        if self.keys is not None:
+            return query @ self.keys.transpose(-1, -2)
+        latent = torch.einsum("hmd,rhd->hmr", query, self.r_k)  # [H, M, r]
+        return torch.cat([latent[..., : c.shape[1]] @ c.T for c in self.coords_k], dim=-1)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Materialised ``keys, values: [H, n, D]`` (diagnostics only)."""
+        h, d = self.r_v.shape[1:]
+        keys = self.keys
+        if keys is None:
+            keys = torch.cat([c @ self.r_k[: c.shape[1]].flatten(1) for c in self.coords_k]).view(-1, h, d)
+            keys = keys.transpose(0, 1)
+        values = torch.cat([c @ self.r_v[: c.shape[1]].flatten(1) for c in self.coords_v]).view(-1, h, d)
+        return keys, values.transpose(0, 1)
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(*probs.shape[:2], self.r_v.shape[-1], device=probs.device)
+        start = 0
+        for c in self.coords_v:
+            weights = probs[..., start : start + c.shape[0]] @ c  # [H, M, w]
+            out += torch.einsum("hmw,whd->hmd", weights, self.r_v[: c.shape[1]])
+            start += c.shape[0]
+        return out
+
+
+def attend_parts(
+    query: torch.Tensor, parts: list[Any], mask: torch.Tensor | None, first: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's attention over ``parts`` (the last one is the recent buffer).
+
+    ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
+    of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
+    """
+    hq, q_len, d = query.shape
+    h = parts[-1].keys.shape[0]
+    g = hq // h
+    packed = query.reshape(h, g * q_len, d)
+    logits = torch.cat([p.logits(packed) for p in parts], dim=-1) * scaling  # [H, g·q, N]
+    slots = torch.cat([p.slots for p in parts])
+    visible = visible_mask(mask, slots.view(1, 1, -1), first, q_len)[0, 0].repeat(g, 1)  # [g·q, N]
+    visible = visible | ~visible.any(dim=-1, keepdim=True)  # padding queries: anything, never used
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = torch.zeros(h, g * q_len, d, device=query.device)
+    start = 0
+    for part in parts:
+        n = part.slots.numel()
+        out += part.output(probs[..., start : start + n])
+        start += n
+    m = parts[-1].slots.numel()
+    recent = probs[..., start - m :].sum(0).view(g, q_len, m).sum(0).amax(0)
+    return out.view(hq, q_len, d).transpose(0, 1), recent

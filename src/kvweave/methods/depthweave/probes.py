@@ -1,0 +1,47 @@
+"""Attention-output probes: how far attention over a chunk as stored is from attention over it exact."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvweave.methods.depthweave.chunk import Chunk
+
+
+class Probe:
+    """Attention-output probe of one chunk: queries of every group layer attend over the chunk's tokens.
+
+    ``error(keys, values, keep)`` is the mean over layers of ``‖O − Ô‖ / ‖O‖``, ``O`` being attention over the
+    exact chunk and ``Ô`` over the given (stored) keys and values with evicted tokens left out.
+    """
+
+    def __init__(
+        self, queries: list[torch.Tensor], query_slots: torch.Tensor, chunk: Chunk, scalings: list[float]
+    ) -> None:
+        h = chunk.keys[0].shape[0]
+        self.packed = [q.reshape(h, -1, q.shape[-1]) for q in queries]  # [H, g·p, D]
+        g = queries[0].shape[0] // h
+        causal = chunk.slots.view(1, -1) <= query_slots.view(-1, 1)  # [p, n]
+        self.causal = causal.repeat(g, 1)
+        self.scalings = scalings
+        self.exact = [
+            self.attend(i, k.float(), v.float(), None)
+            for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True))
+        ]
+
+    def attend(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        visible = self.causal if keep is None else self.causal & keep.view(1, -1)
+        logits = self.packed[layer] @ keys.transpose(-1, -2) * self.scalings[layer]
+        probs = torch.nan_to_num(logits.masked_fill(~visible, float("-inf")).softmax(-1))
+        return probs @ values
+
+    def error(self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor) -> float:
+        errors = []
+        for i, exact in enumerate(self.exact):
+            approx = self.attend(i, keys[i], values[i], keep)
+            errors.append(((approx - exact).norm() / exact.norm().clamp_min(1e-12)).item())
+        return sum(errors) / len(errors)

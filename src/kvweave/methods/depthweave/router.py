@@ -1,0 +1,129 @@
+"""The token router: which chunk tokens become exact rows, which bucket (rank) the others get, which are evicted.
+
+Signals, each turned into a percentile (a token takes its best one): the attention the last prompt queries pay
+it (:func:`observed_attention`), the energy of its KV outside a low-rank basis (:func:`novelty_score`) and, when
+the prompt ids were given (``cache.set_prompt``), its content (:func:`content_scores`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from kvweave.methods.depthweave.chunk import EVICTED, EXACT, HI, LO, MID, Chunk, Plan
+
+if TYPE_CHECKING:
+    from kvweave.methods.depthweave import DepthWeave
+
+POOL = 5  # router: attention max-pooled over 5 neighbouring tokens so spans survive whole (SnapKV)
+
+
+def observed_attention(
+    query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int, scaling: float
+) -> torch.Tensor:
+    """``[B, n]`` attention the last ``window`` prompt queries pay each token (all heads, max-pooled)."""
+    b, hq, n, d = query.shape
+    h = key.shape[1]
+    w = min(window, n)
+    q = query[:, :, -w:].float().reshape(b, h, (hq // h) * w, d)
+    logits = q @ key.float().transpose(-1, -2) * scaling  # [B, H, g·w, n]
+    slots = torch.arange(n, device=key.device)
+    causal = slots.view(1, -1) <= torch.arange(n - w, n, device=key.device).repeat(hq // h).view(-1, 1)
+    valid = slots.view(1, -1) >= pad_count.view(-1, 1)  # [B, n]
+    visible = causal.view(1, 1, *causal.shape) & valid.view(b, 1, 1, n)
+    probs = torch.nan_to_num(logits.masked_fill(~visible, float("-inf")).softmax(-1))
+    received = probs.sum(dim=(1, 2)) / (hq * w)  # [B, n]
+    return F.max_pool1d(received.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
+
+
+def novelty_score(chunk: Chunk, basis_k: torch.Tensor, basis_v: torch.Tensor) -> torch.Tensor:
+    """``[n]`` energy of each token's K and V outside the bases ``[r, W]`` (each side over its mean)."""
+    score = torch.zeros(chunk.size, device=chunk.x_k.device)
+    for x, basis in ((chunk.x_k, basis_k), (chunk.x_v, basis_v)):
+        residual = x - (x @ torch.linalg.pinv(basis)) @ basis
+        energy = residual.square().sum(1)
+        score += energy / energy.mean().clamp_min(1e-12)
+    return score
+
+
+def percentile(x: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry in ``[0, 1]``; ties share the lowest rank (so a constant signal says nothing)."""
+    ordered = x.sort().values
+    return torch.searchsorted(ordered, x.contiguous()).float() / max(x.numel() - 1, 1)
+
+
+def router_score(chunk: Chunk, novelty: torch.Tensor | None) -> torch.Tensor:
+    """``[n]`` importance: the best percentile over the signals; sinks above everything."""
+    signals = [percentile(chunk.attention)]
+    if novelty is not None:
+        signals.append(percentile(novelty))
+    if chunk.content is not None:
+        signals.append(percentile(chunk.content))
+    score = torch.stack(signals).amax(0) + 1e-3 * signals[0]  # attention breaks ties
+    if chunk.sink is not None:
+        score = torch.where(chunk.sink, torch.full_like(score, 3.0), score)
+    return score
+
+
+def make_plan(chunk: Chunk, novelty: torch.Tensor | None, method: DepthWeave) -> Plan:
+    """Assign every chunk token a kind: exact row, high / mid / low rank bucket, or evicted."""
+    n = chunk.size
+    device = chunk.slots.device
+    kind = torch.full((n,), MID, dtype=torch.int64, device=device)
+    if not method.router:
+        if method.residuals and chunk.sink is not None:
+            kind[chunk.sink] = EXACT
+        return Plan(kind)
+    order = router_score(chunk, novelty).argsort(descending=True, stable=True)
+    sinks = int(chunk.sink.sum()) if chunk.sink is not None else 0
+    exact = max(round(method.residual_tokens * n), sinks) if method.residuals else 0
+    rest = n - exact
+    evicted = int(method.evict * rest)
+    kept = rest - evicted  # bucket fractions are of the factorized (kept) tokens
+    hi = round(method.hi_tokens * kept)
+    lo = min(round(method.lo_tokens * kept), kept - hi)
+    kind[order[:exact]] = EXACT
+    kind[order[exact : exact + hi]] = HI
+    if evicted:
+        kind[order[n - evicted :]] = EVICTED
+    if lo > 0:
+        kind[order[n - evicted - lo : n - evicted]] = LO
+    return Plan(kind)
+
+
+def content_scores(
+    prompt_ids: torch.Tensor | None, tokenizer: Any, slots: torch.Tensor, rows: int
+) -> torch.Tensor | None:
+    """``[B, c]`` token-content signal from ``prompt_ids`` (``[n]`` or ``[B, n]``), else ``None``.
+
+    ``prompt_ids`` and ``tokenizer`` are what ``cache.set_prompt(ids, tokenizer)`` gave (``cache.context``).
+    In-prompt rarity (``1 / count``) everywhere; with a tokenizer also +1 for tokens with digits, +0.5 for
+    capitalised ones (names, entities). Slots past the given ids score 0.
+    """
+    if prompt_ids is None:
+        return None
+    ids = torch.as_tensor(prompt_ids, device=slots.device)
+    ids = ids.view(1, -1).expand(rows, -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
+    out = torch.zeros(rows, slots.numel(), device=slots.device)
+    inside = slots < ids.shape[1]
+    for b in range(rows):
+        row = ids[b]
+        unique, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
+        score = 1.0 / counts[inverse].float()
+        if tokenizer is not None:
+            flags = torch.tensor(
+                [_content_flag(t) for t in tokenizer.convert_ids_to_tokens(unique.tolist())],
+                device=slots.device,
+            )
+            score = score + flags[inverse]
+        out[b, inside] = score[slots[inside]]
+    return out
+
+
+def _content_flag(token: str | None) -> float:
+    text = (token or "").lstrip("Ġ▁ ")
+    if any(c.isdigit() for c in text):
+        return 1.0
+    return 0.5 if text[:1].isupper() else 0.0

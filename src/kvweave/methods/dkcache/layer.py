@@ -1,0 +1,653 @@
+"""DK-Cache's cache layer: the core / steady / far tiers of one decoder layer, the attention step over them
+(prefill, and the decode paths the ``path`` option chooses) and the moves between the tiers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvweave._compat import mask_to_bool, sdpa_attention
+from kvweave.cache import CompressedLayer, StepPositions, tensors_nbytes
+from kvweave.methods.dkcache.attention import (
+    CHUNK_ELEMENTS,
+    ScoredPart,
+    attend_parts,
+    chunked_remapped_prefill,
+    concatenated_attention,
+    decoupling_bias,
+    flash_remapped_prefill,
+    grouped_decoupling_bias,
+    prefill_visible,
+    remapped_attention,
+)
+from kvweave.methods.dkcache.far import FarTier, Part, far_device
+from kvweave.methods.dkcache.positions import group_size, grouped_query, is_near
+from kvweave.methods.dkcache.tiers import Tier, decouple_keys
+from kvweave.ops.rope import RopeTable
+
+if TYPE_CHECKING:
+    from kvweave.cache import KVCache
+    from kvweave.methods.dkcache import DKCache
+
+
+class DKCacheLayer(CompressedLayer):
+    """Core / steady / far tiers of one decoder layer (see the package docstring).
+
+    Saved in a cache file: the tiers, how keys are held, the running decoupling sum, the ``attended`` budget and
+    the step statistics. Built from the cache and the method: the RoPE table, the trained length, α, and the tier
+    bounds (from the options, or from the saved ``attended`` budget)."""
+
+    state_fields = CompressedLayer.state_fields + (
+        "attended_budget",
+        "position_limit",
+        "rotated",
+        "aligned",
+        "held_group",
+        "core_tier",
+        "steady_tier",
+        "far",
+        "steady_sum",
+        "steady_count",
+        "groups",
+        "last_entropy",
+        "last_attended",
+        "pages_last",
+        "pages_total",
+        "decode_steps",
+        "retrieval_steps",
+    )
+
+    def __init__(
+        self, cache: KVCache, layer_idx: int, method: DKCache, chunk_elements: int = CHUNK_ELEMENTS
+    ) -> None:
+        super().__init__(cache, layer_idx)
+        self.method = method
+        # elements of one block of work: prefill logits on the chunked path, far keys re-rotated or summarised
+        self.chunk_elements = chunk_elements
+        self.trained = method.trained_length or int(cache.config.max_position_embeddings)
+        self.attended_budget: int | None = (
+            None  # with ``attended``: the tokens core + steady hold, set at prefill
+        )
+        self.core_size, self.steady_bound = self._bounds()
+        self.alpha = method.effective_alpha if method.decouple else 0.0
+        self.pre_rope = method.key_storage == "pre_rope"
+        self.position_limit = 0  # largest position held + 1 (the RoPE table covers it)
+        self.rotated = (
+            True  # held keys are post-RoPE (always with post_rope storage; pre_rope: until compensating)
+        )
+        self.aligned = True  # every held token's position is its slot
+        # while compensating on the fast path: steady and far keys (sinks, pages) are held rotated at positions
+        # p // held_group (the core stays pre-RoPE); None: every tier is held as ``rotated`` says
+        self.held_group: int | None = None
+        self.table: RopeTable | None = cache.context.rope_table(layer_idx) if self.pre_rope else None
+        self.pad: list[int] = []
+        self.core_tier = Tier(quantized=False)
+        self.steady_tier = Tier(quantized=method.bits == 8)
+        self.far: FarTier | None = None
+        self.steady_sum: torch.Tensor | None = None  # [B, H, 1, D] float64, running sum of real steady keys
+        self.steady_count: torch.Tensor | None = None  # [B] float64
+        self.groups: list[int] = []  # Self-Extend group per row at the last step
+        self.last_entropy: torch.Tensor | None = None  # [B] normalised attention entropy of the last step
+        self.last_attended: torch.Tensor | None = (
+            None  # [B] entries the last query attended (mean over heads)
+        )
+        self.pages_last: torch.Tensor | None = None  # [B, H] far pages retrieved at the last step
+        self.pages_total: torch.Tensor | None = None  # [B, H] summed over decode steps
+        self.decode_steps = 0
+        self.retrieval_steps = 0
+
+    def reset(self) -> None:
+        self.__init__(self.cache, self.layer_idx, self.method, self.chunk_elements)  # type: ignore[misc]
+
+    def after_load(self) -> None:
+        """Rebuild what the saved fields determine: the tier bounds and the per-row padding (host ints)."""
+        self.core_size, self.steady_bound = self._bounds()
+        self.pad = [] if self.pad_count is None else [int(p) for p in self.pad_count.tolist()]
+
+    def _bounds(self) -> tuple[int, int]:
+        """``(core, steady)`` in tokens: the method's, or with ``attended`` the prompt's budget split like them."""
+        core, steady = self.method.bounds(self.trained)
+        budget = self.attended_budget
+        if budget is None:
+            return core, steady
+        return min(budget, max(1, round(budget * core / steady))), budget
+
+    # -- positions
+    def _group_sizes(self, step: StepPositions) -> list[int]:
+        if not self.method.remaps_positions:
+            return [1] * self.rows
+        return [group_size(length, self.core_size, self.trained) for length in step.row_lengths]
+
+    def _rotate_keys(
+        self, keys: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored keys -> (exact, grouped) keys as attention sees them; ``positions: [B, 1 or H, T]``.
+        Without compensation (keys held post-RoPE) the grouped keys are the exact ones."""
+        if self.table is None or self.rotated:
+            return keys, keys
+        exact = self.table.rotate(keys, positions)
+        grouped = exact if groups is None else self.table.rotate(keys, positions // groups.view(-1, 1, 1))
+        return exact, grouped
+
+    def _grouped_query(
+        self, query: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor
+    ) -> torch.Tensor:
+        assert self.table is not None
+        return grouped_query(self.table, query, positions, groups, self.core_size)
+
+    # -- the attention step
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Store the new tokens in the core, attend (exact at prefill, over the tiers when decoding), re-tier.
+
+        ``query: [B, Hq, q, D]``, ``key, value: [B, H, q, D]`` (post-RoPE) -> ``[B, q, Hq, D]``.
+        """
+        q_len, first = key.shape[2], self.seen
+        step = self.cache.context.step_positions(
+            kwargs.get("position_ids"), first, q_len, self.rows, key.device
+        )
+        if first == 0:
+            self._start(attention_mask, q_len)
+        self.groups = self._group_sizes(step)
+        grouped = max(self.groups) > 1
+        groups = torch.tensor(self.groups, device=key.device) if grouped else None
+        scaling = kwargs.get("scaling") or key.shape[-1] ** -0.5
+        if self.table is not None:
+            self.position_limit = max(self.position_limit, *step.row_lengths)
+            self.table.ensure(self.position_limit, key.device)
+        if first == 0:
+            self.rotated = self.table is None or (self.method.hold_rotated and not grouped)
+            self.aligned = max(self.pad) == 0
+        elif grouped and self.rotated:
+            self._unrotate_held()
+        self.aligned = self.aligned and step.aligned
+        stored = key if self.rotated else self.table.unrotate(key, step.positions)  # type: ignore[union-attr]
+        self.seen += q_len
+        self.core_tier.append(stored, value, step.positions)
+        fast = self.method.path == "fast"
+        if first == 0:
+            out = self._prefill_attention(
+                module, query, key, value, stored, attention_mask, step, groups, scaling, kwargs
+            )
+        elif fast and groups is None and self.rotated:
+            out = self._exact_attention(query, attention_mask, scaling, first, q_len)
+        elif (
+            fast
+            and groups is not None
+            and self.aligned
+            and len(set(self.groups)) == 1
+            and first >= self.trained
+            and self.table is not None
+        ):
+            out = self._compensated_attention(query, attention_mask, step, groups, scaling, first, q_len)
+        else:
+            if self.held_group is not None:
+                self._hold_grouped(None)
+            out = self._tiered_attention(query, attention_mask, step, groups, scaling, first, q_len)
+        self._retier()
+        return out
+
+    def _start(self, attention_mask: torch.Tensor | None, q_len: int) -> None:
+        """Prefill: left padding per row and, with ``attended``, the tier bounds from the prompt length."""
+        mask = mask_to_bool(attention_mask)
+        self.pad = [0] * self.rows if mask is None else (~mask[:, 0, -1, :q_len]).sum(-1).tolist()
+        self.pad_count = torch.tensor(self.pad, device=self.device)
+        if self.method.attended is not None:  # one set of bounds for the batch: from its longest row
+            self.attended_budget = max(
+                1, int(self.method.attended * (q_len - min(self.pad))) - self.method.sinks
+            )
+            self.core_size, self.steady_bound = self._bounds()
+
+    def _prefill_attention(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        stored: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        step: StepPositions,
+        groups: torch.Tensor | None,
+        scaling: float,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Exact attention over the prompt; beyond the trained range at compensated positions (the fused
+        prefill with ``path="fast"`` on an unpadded prompt, else in query chunks)."""
+        b, hq, n, _ = query.shape
+        if groups is None:
+            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            if self.method.retrieve == "entropy":  # the first decode step reads the prompt's last query
+                last = prefill_visible(attention_mask, self.rows, n, n - 1, n, self.device)
+                _, self.last_entropy = remapped_attention(
+                    query[:, :, -1:], None, key, None, value, last, None, scaling
+                )
+            return out
+        assert self.table is not None
+        positions = step.positions
+        slots = torch.arange(positions.shape[1], device=self.device).view(1, -1)
+        pad = self.pad_count.view(-1, 1)  # type: ignore[union-attr]
+        contiguous = bool(((positions == slots - pad) | (slots < pad)).all())  # real tokens at slot - pad
+        key_grouped = self.table.rotate(stored, positions // groups.view(-1, 1))
+        query_grouped = self._grouped_query(query, positions, groups)
+        if self.method.path == "fast" and contiguous and max(self.pad) == 0:
+            fast = flash_remapped_prefill(
+                query,
+                query_grouped,
+                key,
+                key_grouped,
+                value,
+                self.core_size,
+                self.trained,
+                scaling,
+                self.method.flash_chunk,
+            )
+            if fast is not None:
+                last = prefill_visible(attention_mask, self.rows, n, n - 1, n, self.device)
+                near = is_near(
+                    positions[:, -1:].unsqueeze(-1), positions.unsqueeze(1), self.core_size, self.trained
+                ).unsqueeze(1)
+                _, self.last_entropy = remapped_attention(
+                    query[:, :, -1:], query_grouped[:, :, -1:], key, key_grouped, value, last, near, scaling
+                )
+                return fast
+        out, self.last_entropy = chunked_remapped_prefill(
+            query,
+            query_grouped,
+            key,
+            key_grouped,
+            value,
+            positions,
+            attention_mask,
+            self.core_size,
+            self.trained,
+            scaling,
+            contiguous,
+            self.chunk_elements,
+        )
+        return out
+
+    def _tiered_attention(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        step: StepPositions,
+        groups: torch.Tensor | None,
+        scaling: float,
+        first: int,
+        q_len: int,
+    ) -> torch.Tensor:
+        """Decode: attention over sinks + retrieved far pages + steady (decoupled) + core (incl. the new tokens)."""
+        dtype = query.dtype
+        query_grouped = self._grouped_query(query, step.positions, groups) if groups is not None else None
+        parts: list[Part] = []
+        for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
+            if len(tier):
+                keys, values, positions = tier.read(dtype)
+                mean = self.steady_mean() if decoupled else None
+                if (
+                    mean is not None and self.rotated and self.table is not None
+                ):  # R(p)(k - a m) = R(p)k - a R(p)m
+                    keys = keys - self.alpha * self.table.rotate(
+                        mean.to(keys.dtype).expand_as(keys), positions
+                    )
+                elif mean is not None:
+                    keys = decouple_keys(keys, mean, self.alpha)
+                slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
+                parts.append(
+                    (keys, values, positions.unsqueeze(1), slots.view(1, 1, -1).expand(self.rows, 1, -1))
+                )
+        valid: list[torch.Tensor] = [
+            torch.ones(self.rows, 1, p[0].shape[2], dtype=torch.bool, device=self.device) for p in parts
+        ]
+        if self.far is not None:
+            for part, ok in self._far_parts(query if query_grouped is None else query_grouped, dtype):
+                parts.insert(0, part)
+                valid.insert(0, ok)
+        rotated = [self._rotate_keys(p[0], p[2], groups) for p in parts]  # per part: cos/sin shared by heads
+        out, self.last_entropy, self.last_attended = concatenated_attention(
+            query,
+            query_grouped,
+            parts,
+            rotated,
+            valid,
+            step.positions,
+            attention_mask,
+            self.core_size,
+            self.trained,
+            scaling,
+            first,
+        )
+        self.decode_steps += 1
+        return out
+
+    def _exact_attention(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, first: int, q_len: int
+    ) -> torch.Tensor:
+        """Decode at exact positions with keys held as attention sees them: the same attention as
+        :meth:`_tiered_attention` (sinks + retrieved pages + decoupled steady + core), computed as logits per
+        tier and one softmax over their concatenation, so no key or value is copied, concatenated or rotated.
+        The steady tier's decoupling enters as a logit bias."""
+        dtype = query.dtype
+        b, hq, n, d = query.shape
+        parts: list[
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+        ] = []
+        if self.far is not None:  # keys, values, slots, validity, bias
+            parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype, False)]
+        for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
+            if len(tier):
+                keys, values, positions = tier.read(dtype)
+                slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
+                mean = self.steady_mean() if decoupled else None
+                bias = (
+                    None
+                    if mean is None
+                    else decoupling_bias(
+                        query, mean, self.alpha, self.table, positions, tier.first_slot, self.aligned
+                    )
+                )
+                parts.append((keys, values, slots.view(1, 1, -1).expand(self.rows, 1, -1), None, bias))
+        h = parts[-1][0].shape[1]
+        q = query.reshape(b, h, hq // h * n, d)
+        scored: list[ScoredPart] = []
+        for keys, values, slots, ok, bias in parts:
+            logits = q @ keys.to(q.dtype).transpose(-1, -2)
+            scored.append((logits if bias is None else logits + bias, values, slots, ok))
+        return self._attend_parts(scored, query.shape, attention_mask, scaling, first, q_len)
+
+    def _attend_parts(
+        self,
+        parts: list[ScoredPart],
+        shape: torch.Size,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        first: int,
+        q_len: int,
+    ) -> torch.Tensor:
+        out, self.last_entropy, self.last_attended = attend_parts(
+            parts, shape, attention_mask, scaling, first, q_len
+        )
+        self.decode_steps += 1
+        return out
+
+    def _compensated_attention(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        step: StepPositions,
+        groups: torch.Tensor,
+        scaling: float,
+        first: int,
+        q_len: int,
+    ) -> torch.Tensor:
+        """Decode beyond the trained range, every position its slot: the same attention as
+        :meth:`_tiered_attention`, computed per tier. Steady and far keys are held rotated at their grouped
+        positions ``p // G`` (re-rotated only when ``G`` grows), so they only meet the grouped query; every
+        steady and far key is at least ``core`` tokens from the query (the core tier holds the newest ``core``),
+        hence never a neighbour. The (small) core tier is rotated at exact and grouped positions each step and
+        its neighbours take the exact logits. The steady decoupling enters as a logit bias at grouped positions."""
+        table = self.table
+        assert table is not None
+        group = self.groups[0]
+        if self.held_group != group:
+            self._hold_grouped(group)
+        dtype = query.dtype
+        b, hq, n, d = query.shape
+        query_grouped = self._grouped_query(query, step.positions, groups)
+        h = self.core_tier.parts["keys"].view().shape[1]
+        q, qg = query.reshape(b, h, hq // h * n, d), query_grouped.reshape(b, h, hq // h * n, d)
+        parts: list[ScoredPart] = []
+        if self.far is not None:
+            for (keys, values, _, slots), ok in self._far_parts(query_grouped, dtype, False):
+                parts.append((qg @ keys.to(qg.dtype).transpose(-1, -2), values, slots, ok))
+        for tier in (self.steady_tier, self.core_tier):
+            if not len(tier):
+                continue
+            keys, values, positions = tier.read(dtype)
+            slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
+            if tier is self.steady_tier:
+                logits = qg @ keys.to(qg.dtype).transpose(-1, -2)
+                mean = self.steady_mean() if self.alpha > 0 else None
+                if mean is not None:
+                    logits = logits + grouped_decoupling_bias(
+                        query_grouped, mean, self.alpha, table, tier.first_slot, len(tier), group
+                    )
+            else:
+                queries = torch.arange(first, first + q_len, device=self.device).view(-1, 1)
+                near = is_near(queries, slots.view(1, -1), self.core_size)  # [n, T] (positions are slots)
+                exact = q @ table.rotate(keys, positions).to(q.dtype).transpose(-1, -2)
+                far_logits = qg @ table.rotate(keys, positions // group).to(qg.dtype).transpose(-1, -2)
+                logits = torch.where(near.repeat(hq // h, 1), exact, far_logits)
+            parts.append((logits, values, slots.view(1, 1, -1).expand(self.rows, 1, -1), None))
+        return self._attend_parts(parts, query.shape, attention_mask, scaling, first, q_len)
+
+    # -- how keys are held
+    def _hold_grouped(self, group: int | None) -> None:
+        """Re-rotate the steady and far keys (sinks and pages) from how they are held to positions ``p // group``
+        (``None``: back to pre-RoPE, every tier then held as ``rotated`` says). Held keys must be pre-RoPE or
+        grouped; one pass over them (INT8 entries are dequantized and requantized)."""
+        table, old = self.table, self.held_group
+        assert table is not None and not self.rotated
+        if old == group:
+            return
+
+        def regroup(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            keys = keys if old is None else table.unrotate(keys, positions // old)
+            return keys if group is None else table.rotate(keys, positions // group)
+
+        self.steady_tier.map_keys(regroup)
+        if self.far is not None:
+            self.far.map_keys(regroup, self.device, self.chunk_elements)
+            self.far.clean_pages = 0
+        self.held_group = group
+
+    def _unrotate_held(self) -> None:
+        """The context just outgrew the trained range: from now on keys are held pre-RoPE, so they can be rotated
+        at remapped positions. One pass over every held key (INT8 entries are dequantized and requantized); the
+        decoupling mean is already pre-RoPE; far-page summaries are recomputed at the new positions."""
+        table = self.table
+        assert table is not None
+        for tier in (self.core_tier, self.steady_tier):
+            tier.map_keys(table.unrotate)
+        if self.far is not None:
+            self.far.map_keys(table.unrotate, self.device, self.chunk_elements)
+            self.far.clean_pages = 0
+        self.rotated = False
+
+    # -- the far tier in attention
+    def _far_parts(
+        self, query: torch.Tensor, dtype: torch.dtype, with_positions: bool = True
+    ) -> list[tuple[Part, torch.Tensor]]:
+        """Sinks and the retrieved far pages as attention parts (keys, values, positions, slots) + validity."""
+        assert self.far is not None
+        parts = list[tuple[Part, torch.Tensor]]()
+        sinks = self.far.sink_part(dtype, self.device, self.pad_count)
+        if sinks is not None:
+            parts.append(sinks)
+        self.pages_last = None
+        if self.far.keep_pages and self.far.page_count():
+            retrieved = self._retrieve(query, dtype, with_positions)
+            if retrieved is not None:
+                parts.append(retrieved)
+        return parts
+
+    def _retrieve(
+        self, query: torch.Tensor, dtype: torch.dtype, with_positions: bool = True
+    ) -> tuple[Part, torch.Tensor] | None:
+        """The top ``pages`` far pages per (row, KV head) by the upper bound of ``q·k`` (their positions only
+        ``with_positions``: the paths that hold keys as attention sees them do not read them)."""
+        assert self.far is not None
+        rows_on = torch.ones(self.rows, dtype=torch.bool, device=self.device)
+        if self.method.retrieve == "entropy" and self.last_entropy is not None:
+            rows_on = self.last_entropy > self.method.entropy_threshold
+            if not bool(rows_on.any()):
+                return None
+        self._refresh_summaries(dtype)
+        part, ok, chosen = self.far.retrieve(
+            query, dtype, self.device, self.method.pages, rows_on, self.pad_count, with_positions
+        )
+        self.pages_last = chosen.sum(-1)
+        self.pages_total = self.pages_last if self.pages_total is None else self.pages_total + self.pages_last
+        self.retrieval_steps += 1
+        return part, ok
+
+    def _refresh_summaries(self, dtype: torch.dtype) -> None:
+        """Bring the far pages' min/max summaries up to date with how attention sees the keys this step."""
+        assert self.far is not None
+        held_pre_rope = self.table is not None and not self.rotated and self.held_group is None
+        self.far.refresh_summaries(
+            dtype, self.device, self.groups, self.table if held_pre_rope else None, self.chunk_elements
+        )
+
+    # -- moving tokens between tiers
+    def _retier(self) -> None:
+        """core -> steady -> far, by recency (token index), the same boundaries for every row."""
+        dtype = self.dtype
+        overflow = len(self.core_tier) - self.core_size
+        if overflow > 0:
+            slot = self.core_tier.first_slot
+            keys, values, positions = self.core_tier.pop_front(overflow, dtype)
+            if self.held_group is not None:  # the core is pre-RoPE, steady keys are held at grouped positions
+                keys = self.table.rotate(keys, positions // self.held_group)  # type: ignore[union-attr]
+            self.steady_tier.first_slot = slot if not len(self.steady_tier) else self.steady_tier.first_slot
+            stored = self.steady_tier.append(keys, values, positions)
+            self._update_mean(stored, positions, slot, +1)
+        overflow = len(self.steady_tier) - (self.steady_bound - self.core_size)
+        if overflow > 0:
+            slot = self.steady_tier.first_slot
+            keys, values, positions = self.steady_tier.pop_front(overflow, dtype)
+            self._update_mean(keys, positions, slot, -1)
+            if self.far is None:
+                self.far = FarTier(
+                    self.method.sinks,
+                    self.method.page,
+                    quantized=self.method.bits == 8 or self.method.far_dtype == "int8",
+                    keep_pages=self.method.retrieve != "never",
+                    device=far_device(self.device, self.method.offload),
+                )
+            self.far.add(keys, values, positions, slot, self.pad)
+        if not len(self.steady_tier):
+            self.steady_tier.first_slot = self.core_tier.first_slot
+        self.core_tier.fit()
+        self.steady_tier.fit()
+
+    def _update_mean(self, keys: torch.Tensor, positions: torch.Tensor, first_slot: int, sign: int) -> None:
+        """Running sum / count of the steady tier's real keys (padding excluded), per (row, head); pre-RoPE with
+        ``key_storage="pre_rope"`` (held keys are de-rotated for it while they are held post-RoPE)."""
+        if self.alpha <= 0:
+            return
+        if self.held_group is not None and self.table is not None:
+            keys = self.table.unrotate(keys, positions // self.held_group)
+        elif self.rotated and self.table is not None:
+            keys = self.table.unrotate(keys, positions)
+        slots = torch.arange(first_slot, first_slot + keys.shape[2], device=self.device).view(1, -1)
+        real = (slots >= self.pad_count.view(-1, 1)).double()  # type: ignore[union-attr]
+        total = (keys.double() * real.view(real.shape[0], 1, -1, 1)).sum(2, keepdim=True)
+        if self.steady_sum is None or self.steady_count is None:
+            self.steady_sum, self.steady_count = torch.zeros_like(total), torch.zeros_like(real[:, 0])
+        self.steady_sum += sign * total
+        self.steady_count += sign * real.sum(-1)
+
+    def steady_mean(self) -> torch.Tensor | None:
+        """``[B, H, 1, D]`` the decoupling mean in use (pre-RoPE with pre_rope storage, else post-RoPE), ``None``
+        before the tier fills."""
+        if self.steady_sum is None or self.steady_count is None:
+            return None
+        return self.steady_sum / self.steady_count.clamp(min=1).view(-1, 1, 1, 1)
+
+    # -- batch, bytes, stats
+    def select_rows(self, rows: torch.Tensor) -> None:
+        order = rows.tolist()
+        for tier in (self.core_tier, self.steady_tier):
+            tier.select_rows(rows)
+        if self.far is not None:
+            self.far.select_rows(rows)
+        self.pad = [self.pad[i] for i in order] if self.pad else []
+        self.groups = [self.groups[i] for i in order] if self.groups else []
+        for name in (
+            "steady_sum",
+            "steady_count",
+            "last_entropy",
+            "last_attended",
+            "pages_last",
+            "pages_total",
+            "pad_count",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, rows.to(value.device)))
+        self.rows = len(order)
+
+    def _tier_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "core": self.core_tier.tensors(),
+            "steady": self.steady_tier.tensors(),
+            "far": self.far.tensors() if self.far is not None else [],
+            "other": [
+                t
+                for t in (
+                    self.steady_sum,
+                    self.steady_count,
+                    self.last_entropy,
+                    self.last_attended,
+                    self.pages_last,
+                    self.pages_total,
+                    self.pad_count,
+                )
+                if t is not None
+            ],
+        }
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds (all tiers, page summaries, running mean). The RoPE table is
+        shared by all layers of the cache and is not KV; it is not counted."""
+        return tensors_nbytes(t for group in self._tier_tensors().values() for t in group)
+
+    def entries(self) -> int:
+        """Entries held per (row, head): core + steady + the far tier (sinks and pages)."""
+        far = 0
+        if self.far is not None:
+            held = self.far.paged_lengths() if self.far.keep_pages else [0] * self.rows
+            far = max(
+                (min(self.far.sinks, n) + p for n, p in zip(self.far.lengths, held, strict=True)), default=0
+            )
+        return len(self.core_tier) + len(self.steady_tier) + far
+
+    def attended_entries(self) -> int:
+        """Entries in the last decode step's attention (last query, mean over KV heads, largest row)."""
+        return 0 if self.last_attended is None else int(round(self.last_attended.max().item()))
+
+    def layer_stats(self) -> dict[str, Any]:
+        """Tier sizes, bytes per tier, per-step attention size, pages retrieved, Self-Extend group."""
+        far = self.far
+        steps = max(self.decode_steps, 1)
+        pages_mean = 0.0 if self.pages_total is None else float(self.pages_total.float().mean()) / steps
+        return {
+            "entries": self.entries(),
+            "attended_entries": self.attended_entries(),
+            "tiers": {
+                "core": len(self.core_tier),
+                "steady": len(self.steady_tier),
+                "far": max(far.paged_lengths(), default=0) if far is not None and far.keep_pages else 0,
+                "sinks": max((min(far.sinks, n) for n in far.lengths), default=0) if far is not None else 0,
+            },
+            "tier_bytes": {name: tensors_nbytes(group) for name, group in self._tier_tensors().items()},
+            "core_bound": self.core_size,
+            "steady_bound": self.steady_bound,
+            "pages_retrieved_last_step": 0.0
+            if self.pages_last is None
+            else float(self.pages_last.float().mean()),
+            "pages_retrieved_per_step": pages_mean,
+            "retrieval_steps": self.retrieval_steps,
+            "decode_steps": self.decode_steps,
+            "group_size": max(self.groups, default=1),
+            "last_attention_entropy": None if self.last_entropy is None else float(self.last_entropy.mean()),
+        }
