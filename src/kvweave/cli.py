@@ -271,14 +271,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kvweave.report import write_report
+    from kvweave.report import bench_csv_path, write_report
 
     runs = write_report(args.runs, args.output, markdown=args.md, csv=args.csv)
-    print(f"report: {args.output} ({sum(len(r.rows) for r in runs)} rows from {len(runs)} run(s))")
+    bench = sum(len(r.bench) for r in runs)
+    extra = f", {bench} bench rows" if bench else ""
+    print(f"report: {args.output} ({sum(len(r.rows) for r in runs)} rows{extra} from {len(runs)} run(s))")
     if args.md:
         print(f"summary: {args.md}")
     if args.csv:
         print(f"numbers: {args.csv}")
+        if bench:
+            print(f"bench numbers: {bench_csv_path(args.csv)}")
     return 0
 
 
@@ -570,18 +574,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "report",
-        help="HTML report + markdown summary from run folders",
+        help="HTML report + markdown summary from run folders and bench files",
         description="Write one self-contained HTML page (NIAH heatmaps, accuracy-vs-compression "
-        "frontiers, memory and speed vs context, tables) from one or more run folders, and optionally "
-        "a markdown summary with the commands that produced them.",
+        "frontiers, memory and speed vs context, tables; with `kvweave bench` rows, decode tok/s vs context, "
+        "speedup vs compression beside its bandwidth bound, and their tables) from one or more run folders "
+        "or bench files, and optionally a markdown summary with the commands that produced them.",
     )
-    p.add_argument("runs", nargs="+", help="run folders (written by `kvweave eval --out` or `kvweave demo`)")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        help="run folders (written by `kvweave eval --out`, `kvweave ppl --out` or `kvweave demo`; a folder "
+        "may hold bench.jsonl) or JSONL files of `kvweave bench --out FILE.jsonl` rows",
+    )
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--md", help="also write a markdown summary here")
     p.add_argument(
         "--csv",
         help="also write the numbers behind the tables here: one line per run, model, method, task and "
-        "context (accuracy, n, compression, bytes held, prefill s, decode tok/s, speed vs full)",
+        "context (accuracy, n, compression, bytes held, prefill s, decode tok/s, speed vs full); bench rows, "
+        "when there are any, go to a second file beside it, one line per row: cells.csv -> cells-bench.csv",
     )
     p.set_defaults(func=cmd_report)
 

@@ -140,6 +140,7 @@ BUDGET_KINDS = {
     "held tokens": "tokens the cache holds per KV head",
     "compression": "compression factor targeted against a 16-bit full cache (8 = eight times smaller)",
     "attended fraction": "fraction of the prompt attended per step; the cache still holds every token",
+    "attended tokens": "tokens attended per step per KV head; the cache still holds every token",
     "bits": "bits per stored element of the compressed part (16 / bits is its compression)",
 }
 """The kinds of budget a method option can set (``Method.budget_options``)."""

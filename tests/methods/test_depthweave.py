@@ -298,3 +298,81 @@ def test_defaults_int4_uniform_rank_meet_target(model):
     assert stats["tokens"]["exact"] == 4 and stats["tokens"]["hi"] == stats["tokens"]["lo"] == 0
     assert abs(cache.full_kv_bytes() / cache.nbytes() / 8 - 1) <= 0.15
     assert stats["group_compression_unquantized"] < stats["group_compression"]
+
+
+# -- selective decode (page summaries, chosen pages only)
+
+
+def _store_and_query(model, **options):
+    cache = _prefill(model, _ids(96, seed=3), **{"decode_tokens": 8, "page": 4, **options})
+    layer = cache.layers[0]
+    store = layer.group.rows[0]
+    torch.manual_seed(5)
+    heads, dim = store.heads, store.dim
+    query = torch.randn(heads, 2, dim)  # [H, g, D]: two query heads per KV head
+    return cache, layer, store, query
+
+
+def test_page_bounds_bound_every_key_of_their_page(model):
+    """A page's stored (INT8, rounded outwards) bound is >= q·k of every key attention would rebuild in it."""
+    from kvweave.methods.depthweave.select import rebuilt_keys
+
+    cache, layer, store, query = _store_and_query(model)
+    table = cache.context.rope_table(layer.layer_idx)
+    table.ensure(layer.seen + 1, query.device)
+    page = store.method.page
+    for segment in store.segments.values():
+        rows = torch.arange(segment.slots.numel())
+        keys = rebuilt_keys(store, segment, layer.layer_idx, rows, table.rotate)  # [H, n, D]
+        logits = query @ keys.transpose(-1, -2)  # [H, g, n]
+        bounds = segment.bounds[layer.layer_idx].upper_bounds(query)  # [H, g, P]
+        for p in range(bounds.shape[-1]):
+            exact_max = logits[..., p * page : (p + 1) * page].amax(-1)
+            assert (bounds[..., p] >= exact_max - 1e-4).all()
+
+
+def test_selecting_every_page_equals_exact_attention_over_the_store(model):
+    """The selective path with all pages chosen is the exact path (keys rebuilt from the table, not the module)."""
+    from kvweave.methods.depthweave.parts import DensePart, attend_parts
+    from kvweave.methods.depthweave.select import selected_parts
+
+    cache, layer, store, query = _store_and_query(model)
+    table = cache.context.rope_table(layer.layer_idx)
+    table.ensure(layer.seen + 1, query.device)
+    pages = sum(s.bounds[layer.layer_idx].pages for s in store.segments.values())
+    recent = layer.recent
+    m = recent.count()
+    slots = torch.arange(layer.seen - m, layer.seen)
+    tail = DensePart(recent.keys[0].float(), recent.values[0].float(), slots)
+    hq_query = query.reshape(-1, 1, query.shape[-1])  # [Hq, 1, D]
+    chosen = selected_parts(store, layer.layer_idx, query, table, pages=pages)
+    exact = store.attention_parts(layer.layer_idx, cache.rotary_for(layer.layer_idx))
+    out_chosen, _ = attend_parts(hq_query, chosen + [tail], None, layer.seen, 0.125)
+    out_exact, _ = attend_parts(hq_query, exact + [tail], None, layer.seen, 0.125)
+    torch.testing.assert_close(out_chosen, out_exact, rtol=1e-4, atol=1e-5)
+    fewer = selected_parts(store, layer.layer_idx, query, table, pages=2)
+    assert sum(int(p.valid.sum()) for p in fewer if hasattr(p, "valid")) <= 2 * 4 * store.heads
+
+
+def test_selective_decode_generates_and_counts_its_summaries(model):
+    ids = _ids(96, seed=4)
+    cache = kvweave.make_cache("depthweave", model, **{**SMALL, "decode_tokens": 8, "page": 4})
+    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache})
+    assert out.shape[1] == 96 + 12
+    parts = cache.stats()["layers"][0]["bytes_by_part"]
+    assert parts["page_bounds"] > 0
+    none = kvweave.make_cache("depthweave", model, **{**SMALL, "decode_tokens": 0})
+    model.generate(ids, max_new_tokens=2, do_sample=False, **{cache_kwarg(model): none})
+    assert none.stats()["layers"][0]["bytes_by_part"]["page_bounds"] == 0
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_reading_whole_groups_equals_reading_their_rows(bits):
+    from kvweave.ops.quantize import pack
+
+    torch.manual_seed(0)
+    packed = pack(torch.randn(150, 13), bits, 64, torch.float16)  # a partial last group (22 rows)
+    groups = torch.tensor([[2, 0], [1, 2]])
+    rows = (groups.unsqueeze(-1) * 64 + torch.arange(64)).clamp(max=149).flatten(1)
+    torch.testing.assert_close(packed.gather_groups(groups), packed.gather_rows(rows))
+    torch.testing.assert_close(packed.gather_rows(rows[0]), packed.dequantize()[rows[0]])

@@ -2,7 +2,7 @@
 weight the values in one pass per head, without writing any dequantized tensor.
 
 The torch path in :mod:`kvweave.methods.quant` (unpack to float, per-block matmuls, online softmax) is the
-reference it is tested against (``tests/unit/test_cpu_quant_kernel.py``). The C++ source below is compiled
+reference it is tested against (``tests/methods/test_quant_kernel.py``). The C++ source below is compiled
 on first use with ``torch.utils.cpp_extension.load_inline`` (gcc or clang, ``-O3 -march=native -fopenmp``)
 into torch's extension cache, which takes about a minute once per machine; :func:`load` returns ``None``
 and :func:`unavailable_reason` says why when there is no compiler, and ``quant:kernel=auto`` then uses the
@@ -16,11 +16,11 @@ scores the query rows against packed key blocks (per-channel scales and minima f
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from typing import Any
 
 import torch
+
+from kvweave.kernels._build import build
 
 __all__ = ["block_logits", "load", "unavailable_reason", "weighted_values"]
 
@@ -227,27 +227,8 @@ def load() -> Any | None:
     ``KVWEAVE_NO_CPP=1`` disables it (the torch path is then used everywhere).
     """
     global _reason
-    if os.environ.get("KVWEAVE_NO_CPP", "") not in ("", "0"):
-        _reason = "disabled by KVWEAVE_NO_CPP"
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        return cpp_extension.load_inline(
-            name=_NAME,
-            cpp_sources=[_CPP_DECL, _SOURCE.replace("#include <torch/extension.h>", "")],
-            functions=["quant_logits", "quant_values"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, unsupported platform: report and use the torch path
-        _reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        warnings.warn(
-            f"kvweave: the C++ quant kernel could not be built ({_reason}); using the torch path",
-            stacklevel=2,
-        )
-        return None
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["quant_logits", "quant_values"])
+    return module
 
 
 def unavailable_reason() -> str | None:

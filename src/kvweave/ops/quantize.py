@@ -132,6 +132,30 @@ class Packed(Stateful):
             return head
         return torch.cat([head, values[..., whole:, :] * scale[..., -1:, :]], dim=-2)
 
+    def gather_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` (any shape ``[...]``, int64) of a ``[n, w]`` tensor, dequantized: ``[..., w]``.
+
+        Only the chosen rows are read and unpacked (selective decode reads a few rows of a long store)."""
+        data = self.data[index]
+        if self.bits == 16:
+            return data.to(dtype)
+        values = _unpack4(data, self.width, dtype) if self.bits == 4 else data.to(dtype)
+        scale = self.scale[index if self.group <= 0 else index // self.group]  # type: ignore[index]
+        return values * scale.to(dtype)
+
+    def gather_groups(self, groups: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Whole row groups ``groups: [..., c]`` of a ``[n, w]`` tensor quantized with ``group > 0``, dequantized:
+        ``[..., c·group, w]`` (rows past ``n`` in a partial last group repeat row ``n - 1``). One scale row per
+        group is read, not one per row: the cheap way to read whole pages."""
+        offsets = torch.arange(self.group, device=groups.device)
+        rows = (groups.unsqueeze(-1) * self.group + offsets).clamp(max=self.rows - 1)  # [..., c, group]
+        data = self.data[rows]
+        if self.bits == 16:
+            return data.to(dtype).flatten(-3, -2)
+        values = _unpack4(data, self.width, dtype) if self.bits == 4 else data.to(dtype)
+        scale = self.scale[groups].to(dtype).unsqueeze(-2)  # type: ignore[index]  # [..., c, 1, w]
+        return (values * scale).flatten(-3, -2)
+
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this object holds (for byte accounting)."""
         return [self.data] if self.scale is None else [self.data, self.scale]

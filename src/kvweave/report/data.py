@@ -4,6 +4,10 @@ A run folder holds ``rows.jsonl`` (one result row per line, see :mod:`kvweave.ev
 ``config.json`` (``{"config": EvalConfig fields, "environment": ...}``); ``command.txt``, when present, is
 the command line that produced it. Rows of several runs are pooled for the charts; summaries (and speed
 ratios, which only mean something within one run on one machine) are computed run by run.
+
+``kvweave bench --out FILE.jsonl`` rows (``kind == "bench"``, see :mod:`kvweave.eval.bench`) are read from a
+folder's ``bench.jsonl`` or from the JSONL file itself; they carry their own speedup against ``full`` measured
+in the same point, and their machine in ``environment``.
 """
 
 from __future__ import annotations
@@ -38,23 +42,42 @@ class Run:
     command: str = ""
     ppl: list[dict[str, Any]] = field(default_factory=list)
     """Rows of ``kvweave ppl --out`` (``ppl.jsonl``), when the folder holds a perplexity run."""
+    bench: list[dict[str, Any]] = field(default_factory=list)
+    """Rows of ``kvweave bench --out`` (``kind == "bench"``): the folder's ``bench.jsonl``, or the file given."""
+    bench_command: str = ""
+    """The command behind the bench rows, when a ``command.txt`` beside them gives it (the file has none)."""
 
     @property
     def name(self) -> str:
-        """The folder name."""
+        """The folder name (the file name for a bench file given directly)."""
         return self.path.name
+
+    @property
+    def count(self) -> int:
+        """Rows of every kind."""
+        return len(self.rows) + len(self.ppl) + len(self.bench)
+
+
+BENCH_FILE = "bench.jsonl"
+"""The bench rows of a run folder (``kvweave bench --out RUN/bench.jsonl``)."""
+
+_EXPECTED = (
+    "a run folder with rows.jsonl, ppl.jsonl or bench.jsonl (`kvweave eval --out`, `kvweave ppl --out`, "
+    "`kvweave bench --out`) or a JSONL file of `kvweave bench --out FILE.jsonl` rows"
+)
 
 
 def load_run(path: str | Path) -> Run:
-    """Read a run folder: ``rows.jsonl`` (``kvweave eval``) and/or ``ppl.jsonl`` (``kvweave ppl``) required;
-    ``config.json`` and ``command.txt`` optional."""
+    """Read a run folder: ``rows.jsonl`` (``kvweave eval``), ``ppl.jsonl`` (``kvweave ppl``) and/or
+    ``bench.jsonl`` (``kvweave bench``) required; ``config.json`` and ``command.txt`` optional. A JSONL file
+    of ``kvweave bench`` rows can be given directly (its ``command.txt`` is the one in its folder)."""
     folder = Path(path)
-    rows_path, ppl_path = folder / "rows.jsonl", folder / "ppl.jsonl"
-    if not rows_path.is_file() and not ppl_path.is_file():
-        raise FileNotFoundError(
-            f"{folder} is not a run folder: it has no rows.jsonl or ppl.jsonl (run `kvweave eval --out` "
-            "or `kvweave ppl --out`)"
-        )
+    if folder.is_file():
+        return load_bench_file(folder)
+    rows_path, ppl_path, bench_path = folder / "rows.jsonl", folder / "ppl.jsonl", folder / BENCH_FILE
+    if not any(p.is_file() for p in (rows_path, ppl_path, bench_path)):
+        what = "does not exist" if not folder.exists() else "has no rows.jsonl, ppl.jsonl or bench.jsonl"
+        raise FileNotFoundError(f"{folder} is not a run folder: it {what}; expected {_EXPECTED}")
     meta: dict[str, Any] = {}
     if (folder / "config.json").is_file():
         meta = json.loads((folder / "config.json").read_text())
@@ -66,10 +89,63 @@ def load_run(path: str | Path) -> Run:
         command = eval_command(config, folder) if config else ""
     rows = [r for r in runner.read_rows(rows_path) if _is_result(r)] if rows_path.is_file() else []
     ppl = [r for r in runner.read_rows(ppl_path) if "nll" in r] if ppl_path.is_file() else []
-    for row in rows + ppl:  # rows written before an option was renamed read under the current names
+    bench = bench_rows(runner.read_rows(bench_path)) if bench_path.is_file() else []
+    for row in rows + ppl + bench:  # rows written before an option was renamed read under the current names
         if isinstance(row.get("method"), str):
             row["method"] = canonical_spec(row["method"])
-    return Run(folder, rows, config, meta.get("environment", {}), command, ppl)
+    run = Run(folder, rows, config, meta.get("environment", {}), command, ppl, bench)
+    if bench:
+        run.bench_command = bench_command(command_path)
+    return run
+
+
+def load_bench_file(path: Path) -> Run:
+    """A JSONL file of ``kvweave bench --out`` rows as a run (named after the file); anything else is refused
+    with what was expected."""
+    try:
+        found = runner.read_rows(path)
+    except UnicodeDecodeError:
+        found = []
+    bench = bench_rows(found)
+    if not bench:
+        hint = ""
+        if any(_is_result(r) or "nll" in r for r in found):
+            hint = f" (it holds `kvweave eval`/`kvweave ppl` rows: give their folder {path.parent})"
+        raise FileNotFoundError(
+            f"{path} is not a bench file: it has no rows with kind \"bench\"{hint}; expected {_EXPECTED}"
+        )
+    for row in bench:
+        if isinstance(row.get("method"), str):
+            row["method"] = canonical_spec(row["method"])
+    return Run(path, [], bench=bench, bench_command=bench_command(path.parent / "command.txt"))
+
+
+BENCH_REQUIRED = ("model", "method", "context", "batch", "ms_per_token", "tok_s", "speedup")
+"""Fields a bench row must have to be reported (the rest are shown where present)."""
+
+
+def bench_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``kind == "bench"`` rows that have the fields the report needs."""
+    return [r for r in rows if r.get("kind") == "bench" and all(r.get(k) is not None for k in BENCH_REQUIRED)]
+
+
+OTHER_COMMANDS = ("eval", "ppl", "demo", "generate", "report", "diagnose", "methods", "models")
+
+
+def bench_command(path: Path) -> str:
+    """The lines of ``command.txt`` (when there is one) that may have produced bench rows: every line except
+    another ``kvweave`` sub-command's (an eval run folder records its own commands there too)."""
+    if not path.is_file():
+        return ""
+    lines = []
+    for line in path.read_text().splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if len(words) > 1 and words[0].endswith("kvweave") and words[1] in OTHER_COMMANDS:
+            continue
+        lines.append(line.strip())
+    return "\n".join(lines)
 
 
 def perplexity_summary(runs: Iterable[Run]) -> list[dict[str, Any]]:
@@ -358,3 +434,134 @@ def by_context(rows: Iterable[dict[str, Any]], metric: str) -> dict[str, list[tu
         method: sorted((context, statistics.median(v)) for context, v in per_context.items())
         for method, per_context in values.items()
     }
+
+
+# ----------------------------------------------------------------------------------------- bench
+
+
+@dataclass
+class BenchGroup:
+    """The bench rows of one run for one (model, device, dtype): one table, and a pair of charts per batch."""
+
+    run: Run
+    model: str
+    device: str
+    dtype: str
+    rows: list[dict[str, Any]]
+
+    @property
+    def title(self) -> str:
+        """``model, device dtype``."""
+        return f"{self.model}, {self.device} {self.dtype}"
+
+    @property
+    def batches(self) -> list[int]:
+        """Distinct batch sizes, ascending."""
+        return sorted({int(r["batch"]) for r in self.rows})
+
+    @property
+    def contexts(self) -> list[int]:
+        """Distinct context lengths, ascending."""
+        return sorted({int(r["context"]) for r in self.rows})
+
+
+def bench_groups(runs: Iterable[Run]) -> list[BenchGroup]:
+    """The bench rows of ``runs``, grouped by run, model, device and dtype (speedups and absolute speeds only
+    compare within one machine), in file order within each group."""
+    groups: list[BenchGroup] = []
+    for run in runs:
+        keyed: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+        for row in run.bench:
+            keyed[(str(row["model"]), str(row.get("device", "?")), str(row.get("dtype", "?")))].append(row)
+        for (model, device, dtype), members in sorted(keyed.items()):
+            groups.append(BenchGroup(run, model, device, dtype, members))
+    return groups
+
+
+def bench_key(row: dict[str, Any]) -> tuple[str, int, int]:
+    """What one bench point measures: ``(method, context, batch)``."""
+    return (str(row["method"]), int(row["context"]), int(row["batch"]))
+
+
+def latest_bench(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (method, context, batch): the last one written (``kvweave bench --out`` appends, so a
+    rerun of a point supersedes the earlier measurement), sorted by context, batch and method."""
+    latest: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for row in rows:
+        latest[bench_key(row)] = row
+    return bench_sorted(latest.values())
+
+
+def bench_sorted(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows by context, batch, then method (``full`` first); file order among repeats."""
+    indexed = list(enumerate(rows))
+    indexed.sort(key=lambda item: (int(item[1]["context"]), int(item[1]["batch"]), method_order(item[1]["method"]), item[0]))
+    return [row for _, row in indexed]
+
+
+def repeated_points(rows: Iterable[dict[str, Any]]) -> int:
+    """How many (method, context, batch) points were measured more than once."""
+    counts: dict[tuple[str, int, int], int] = defaultdict(int)
+    for row in rows:
+        counts[bench_key(row)] += 1
+    return sum(1 for n in counts.values() if n > 1)
+
+
+def distinct(values: Iterable[Any]) -> list[Any]:
+    """Distinct values in first-seen order (dicts compared by content)."""
+    seen: dict[str, Any] = {}
+    for value in values:
+        seen.setdefault(json.dumps(value, sort_keys=True, default=str), value)
+    return list(seen.values())
+
+
+BENCH_CSV_COLUMNS = (
+    "run",
+    "model",
+    "method",
+    "context",
+    "batch",
+    "device",
+    "dtype",
+    "steps",
+    "rounds",
+    "ms_per_token",
+    "tok_s",
+    "speedup",
+    "bound",
+    "of_bound",
+    "prefill_s",
+    "overhead_s",
+    "kv_bytes",
+    "kv_read_bytes",
+    "full_kv_bytes_16bit",
+    "compression",
+    "weight_bytes",
+    "bandwidth_gb_s",
+    "step_bound_ms",
+    "peak_bytes",
+    "peak_kind",
+    "gpu",
+    "processor",
+    "threads",
+    "torch",
+    "transformers",
+    "git",
+)
+"""Columns of the bench CSV ``kvweave report --csv`` writes beside the cells CSV (``<stem>-bench.csv``): one
+line per bench row, with the machine and versions from its environment."""
+
+BENCH_ENVIRONMENT_FIELDS = ("gpu", "processor", "threads", "torch", "transformers", "git")
+
+
+def bench_csv(runs: list[Run]) -> str:
+    """Every bench row of ``runs`` as CSV, in file order (empty fields where a value is missing)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=BENCH_CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for run in runs:
+        for row in run.bench:
+            environment = row.get("environment") or {}
+            line = {**row, **{k: environment.get(k) for k in BENCH_ENVIRONMENT_FIELDS}, "run": run.name}
+            writer.writerow({k: ("" if line.get(k) is None else line.get(k)) for k in BENCH_CSV_COLUMNS})
+    return out.getvalue()

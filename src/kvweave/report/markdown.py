@@ -97,6 +97,92 @@ def perplexity_markdown(entries: list[dict[str, Any]]) -> str:
     return _table(PPL_HEADER, [ppl_cells(e) for e in entries], ["l", "l", "r", "l", "r", "r", "r", "r"])
 
 
+BENCH_HEADER = [
+    "method",
+    "context",
+    "batch",
+    "ms/token",
+    "tok/s",
+    "speedup",
+    "bound",
+    "achieved/bound",
+    "KV MiB held",
+    "KV MiB read",
+    "prefill s",
+    "overhead s",
+    "peak MiB",
+]
+
+
+def _speed(value: Any) -> str:
+    """ms or tok/s with three or four significant digits: 0.84, 7.04, 14.2, 142."""
+    if value is None:
+        return "-"
+    value = float(value)
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
+def _mib(value: Any, pattern: str = "%.2f") -> str:
+    return "-" if value is None else pattern % (value / 2**20)
+
+
+def bench_cells(row: dict[str, Any]) -> list[str]:
+    """One ``kvweave bench`` point: step time and throughput, speedup against ``full`` beside its bound, the
+    KV bytes held and read per step, prefill and its overhead over ``full``'s, and peak memory."""
+    return [
+        f"`{row['method']}`",
+        str(row["context"]),
+        str(row["batch"]),
+        _speed(row.get("ms_per_token")),
+        _speed(row.get("tok_s")),
+        _num(row.get("speedup"), "%.2fx"),
+        _num(row.get("bound"), "%.2fx"),
+        "-" if row.get("of_bound") is None else f"{100 * row['of_bound']:.0f}%",
+        _mib(row.get("kv_bytes")),
+        _mib(row.get("kv_read_bytes")),
+        _num(row.get("prefill_s"), "%.2f"),
+        _num(row.get("overhead_s"), "%+.2f"),
+        _mib(row.get("peak_bytes"), "%.0f"),
+    ]
+
+
+BENCH_INTRO = (
+    "Measured by `kvweave bench`: per context length and batch size every method prefills the same prompt, "
+    "then decodes in rounds interleaved with `full`; ms/token is the median over rounds. Speedup is `full`'s "
+    "step time over the method's, measured in the same run; the bound (W + KV read by full) / (W + KV read) is "
+    "the most a step that is bound by the bytes it reads can gain, and achieved/bound = speedup / bound. "
+    "Overhead is prefill time beyond `full`'s (what compressing costs)."
+)
+
+
+def bench_markdown(runs: list[Run]) -> str:
+    """The "Decode speed" section: per run, model, device and dtype, the command (when a ``command.txt``
+    beside the bench rows gives it), the machine and the table; empty without bench rows."""
+    groups = data.bench_groups(runs)
+    if not groups:
+        return ""
+    several_runs = len({id(g.run) for g in groups}) > 1
+    parts = ["## Decode speed", "", BENCH_INTRO, ""]
+    for group in groups:
+        shown = data.latest_bench(group.rows)
+        heading = group.title + (f" ({group.run.name})" if several_runs else "")
+        parts += [f"### {heading}", ""]
+        if group.run.bench_command:
+            parts += ["Produced by:", "", "```sh", group.run.bench_command, "```", ""]
+        else:
+            parts += [
+                f"From `{group.run.path}`; the command is not recorded (`kvweave bench` writes none: a "
+                "`command.txt` beside the file is shown here).",
+                "",
+            ]
+        parts += [f"Machine: {line}." for line in page.bench_hardware(shown)]
+        parts += ["", _table(BENCH_HEADER, [bench_cells(r) for r in shown], ["l"] + ["r"] * 12), ""]
+        notes = page.bench_notes(group.rows, shown)
+        if notes:
+            parts += [" ".join(notes), ""]
+    return "\n".join(parts).rstrip()
+
+
 def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
     """One run: its command, environment and per-(method, task, context) table."""
     header = [
@@ -127,14 +213,16 @@ def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
         for s in summary
     ]
     parts = [f"### {run.name}", ""]
-    if run.command:
-        parts += ["Produced by:", "", "```sh", run.command, "```", ""]
+    if run.command or run.bench_command:
+        parts += ["Produced by:", "", "```sh", run.command or run.bench_command, "```", ""]
     if run.environment:
         parts += [f"Environment: {page.environment_line(run.environment)}.", ""]
     if rows:
         parts.append(_table(header, rows, ["l", "l"] + ["r"] * 8))
     if run.ppl:
         parts.append(perplexity_markdown(data.perplexity_summary([run])))
+    if run.bench:
+        parts += ["", f"{len(run.bench)} bench rows: see [Decode speed](#decode-speed)."]
     return "\n".join(parts).rstrip()
 
 
@@ -393,11 +481,14 @@ def render(runs: list[Run]) -> str:
     summaries = [data.run_summary(run) for run in runs]
     summary = [entry for run_entries in summaries for entry in run_entries]
     rows, windows = sum(len(run.rows) for run in runs), sum(len(run.ppl) for run in runs)
+    bench = sum(len(run.bench) for run in runs)
     counts = f"{rows} result rows" + (f", {windows} perplexity rows" if windows else "")
+    counts += f", {bench} bench rows" if bench else ""
+    noun = "run folder" if all(run.path.is_dir() for run in runs) else "run"
     title = [
         "# kvweave results",
         "",
-        f"Generated by `kvweave report` from {len(runs)} run folder{'s' if len(runs) != 1 else ''} "
+        f"Generated by `kvweave report` from {len(runs)} {noun}{'s' if len(runs) != 1 else ''} "
         f"({counts}); every run's section gives the command that produced it.",
         "",
         "",
@@ -430,6 +521,9 @@ def render(runs: list[Run]) -> str:
             perplexity_markdown(ppl),
             "",
         ]
+    bench_part = bench_markdown(runs)
+    if bench_part:
+        parts += [bench_part, ""]
     runs_intro = "Each run folder: the command that produced it, its environment and its table."
     parts += ["## Runs", "", runs_intro, ""]
     for run, run_entries in zip(runs, summaries, strict=True):

@@ -321,6 +321,7 @@ def environment_line(environment: dict[str, Any]) -> str:
     keys = (
         "machine",
         "processor",
+        "gpu",
         "cpus",
         "threads",
         "cuda",
@@ -333,22 +334,182 @@ def environment_line(environment: dict[str, Any]) -> str:
     return ", ".join(f"{k} {environment[k]}" for k in keys if environment.get(k) not in (None, ""))
 
 
+def bench_hardware(rows: list[dict[str, Any]]) -> list[str]:
+    """The machines and versions ``rows`` were measured with, one line each (usually one): the environment
+    line, the measured copy bandwidth and the bytes of weights a step reads."""
+    lines = []
+    for environment, bandwidth, weights in data.distinct(
+        (r.get("environment") or {}, r.get("bandwidth_gb_s"), r.get("weight_bytes")) for r in rows
+    ):
+        parts = [environment_line(environment)] if environment else []
+        if bandwidth is not None:
+            parts.append(f"measured copy bandwidth {bandwidth:g} GB/s")
+        if weights is not None:
+            parts.append(f"weights {weights / 2**20:.1f} MiB")
+        lines.append(", ".join(p for p in parts if p) or "environment not recorded")
+    return lines
+
+
+def bench_notes(rows: list[dict[str, Any]], shown: list[dict[str, Any]]) -> list[str]:
+    """What the peak column measures, and how repeated points were resolved."""
+    notes = []
+    kinds = data.distinct(r.get("peak_kind") for r in shown if r.get("peak_kind"))
+    if kinds:
+        notes.append("Peak MiB: " + "; ".join(str(k) for k in kinds) + ".")
+    repeats = data.repeated_points(rows)
+    if repeats:
+        notes.append(
+            f"{repeats} point{'s were' if repeats != 1 else ' was'} measured more than once (the bench file is "
+            "appended to): the latest row of each is shown (the file and the bench CSV keep every row)."
+        )
+    return notes
+
+
+def bench_colors(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """A colour per method spec, the same in every bench chart."""
+    return {method: svg.PALETTE[i % len(svg.PALETTE)] for i, method in enumerate(data.methods(rows))}
+
+
+def _ratio(value: float) -> str:
+    return f"{value:g}x"
+
+
+def bench_speed_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, str]) -> str:
+    """Decode tok/s against context length at one batch size, one line per method (points when only one
+    length was measured)."""
+    members = [r for r in rows if int(r["batch"]) == batch]
+    contexts = sorted({int(r["context"]) for r in members})
+    series = [
+        svg.Series(
+            method,
+            [(float(r["context"]), float(r["tok_s"])) for r in members if r["method"] == method],
+            color=colors[method],
+        )
+        for method in data.methods(members)
+    ]
+    x_label = "context tokens (log scale)"
+    if len(contexts) == 1:
+        x_label = f"context tokens: one length measured ({contexts[0]})"
+    return svg.line_chart(
+        series,
+        title=f"batch {batch}: decode tok/s vs context",
+        x_label=x_label,
+        y_label="decode tokens / s (all rows of the batch)",
+        x_log=True,
+        y_low=0.0,
+        connect=len(contexts) > 1,
+    )
+
+
+def bench_gap_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, str]) -> str:
+    """Speedup against ``full`` (dot) and its bandwidth bound (diamond) against compression, at one batch
+    size; points labelled by context length when there are several."""
+    members = [
+        r
+        for r in rows
+        if int(r["batch"]) == batch and r.get("compression") is not None and r.get("bound") is not None
+    ]
+    several = len({int(r["context"]) for r in members}) > 1
+    series = []
+    for method in data.methods(members):
+        points = []
+        for r in (r for r in members if r["method"] == method):
+            of_bound = r.get("of_bound")
+            tip = (
+                f"{method}, {r['context']} tokens, batch {batch}: compression {r['compression']:.2f}x, speedup "
+                f"{r['speedup']:.2f}x, bound {r['bound']:.2f}x"
+                + (f" ({100 * of_bound:.0f}% of it)" if of_bound is not None else "")
+            )
+            label = svg.format_number(int(r["context"])) if several else ""
+            points.append(svg.GapPoint(float(r["compression"]), float(r["speedup"]), float(r["bound"]), label, tip))
+        series.append(svg.GapSeries(method, points, color=colors[method]))
+    return svg.gap_chart(
+        series,
+        title=f"batch {batch}: speedup vs compression",
+        x_label="compression (16-bit full-cache bytes / bytes held, log scale)",
+        y_label="speedup vs full (same run)",
+        y_format=_ratio,
+        measured_name="measured speedup",
+        bound_name="bandwidth bound",
+    )
+
+
+def bench_table(rows: list[dict[str, Any]]) -> str:
+    """One line per bench point: speed, speedup beside its bound, KV bytes held and read, prefill, peak."""
+    from kvweave.report.markdown import BENCH_HEADER, bench_cells
+
+    head = "".join(f'<th class="{"name" if c == "method" else ""}">{escape(c)}</th>' for c in BENCH_HEADER)
+    body = []
+    for row in rows:
+        cells = [cell.strip("`") for cell in bench_cells(row)]
+        body.append(
+            "<tr>"
+            + "".join(
+                f'<td class="{"name" if i == 0 else ""}">{escape(cell)}</td>' for i, cell in enumerate(cells)
+            )
+            + "</tr>"
+        )
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+BENCH_INTRO = (
+    "Measured by <code>kvweave bench</code>: per context length and batch size every method prefills the same "
+    "prompt, then decodes in rounds interleaved with <code>full</code>; ms/token is the median over rounds. "
+    "Speedup is <code>full</code>'s step time over the method's, measured in the same run; the bound "
+    "(W + KV read by full) / (W + KV read) is the most a step that is bound by the bytes it reads can gain, "
+    "and achieved/bound = speedup / bound. Compression is against a 16-bit cache (a float32 "
+    "<code>full</code> shows 0.5x). Charts: tok/s against context length, and each method's speedup (dot) "
+    "below or above its bound (diamond); the dashed line is <code>full</code>."
+)
+
+
+def bench_section(runs: list[Run]) -> str:
+    """Decode speed from ``kvweave bench`` rows: per run, model, device and dtype, the tok/s and
+    speedup-vs-bound charts of each batch size and the table; empty when no run holds bench rows."""
+    groups = data.bench_groups(runs)
+    if not groups:
+        return ""
+    colors = bench_colors([r for run in runs for r in run.bench])
+    several_runs = len({id(g.run) for g in groups}) > 1
+    parts = ['<section id="bench"><h2>Decode speed (kvweave bench)</h2>', f'<p class="note">{BENCH_INTRO}</p>']
+    for group in groups:
+        shown = data.latest_bench(group.rows)
+        heading = group.title + (f" ({group.run.name})" if several_runs else "")
+        parts.append(f"<h3>{escape(heading)}</h3>")
+        for line in bench_hardware(shown):
+            parts.append(f'<p class="note">{escape(line)}</p>')
+        if group.run.bench_command:
+            parts.append(f"<pre>{escape(group.run.bench_command)}</pre>")
+        charts = []
+        for batch in group.batches:
+            charts += [bench_speed_chart(shown, batch, colors), bench_gap_chart(shown, batch, colors)]
+        parts.append(f'<div class="charts">{"".join(charts)}</div>')
+        parts.append(bench_table(shown))
+        parts += [f'<p class="note">{escape(note)}</p>' for note in bench_notes(group.rows, shown)]
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
 def runs_section(runs: list[Run], summaries: list[list[dict[str, Any]]]) -> str:
     """Per run: the command that produced it, its environment and its full summary table."""
     parts = ['<section id="runs"><h2>Runs</h2>']
     for run, summary in zip(runs, summaries, strict=True):
         parts.append(
-            f"<h3>{escape(run.name)} <small>({len(run.rows) + len(run.ppl)} rows, {escape(str(run.path))})"
+            f"<h3>{escape(run.name)} <small>({run.count} rows, {escape(str(run.path))})"
             "</small></h3>"
         )
-        if run.command:
-            parts.append(f"<pre>{escape(run.command)}</pre>")
+        if run.command or run.bench_command:
+            parts.append(f"<pre>{escape(run.command or run.bench_command)}</pre>")
         if run.environment:
             parts.append(f'<p class="note">{escape(environment_line(run.environment))}</p>')
         if run.rows:
             parts.append(summary_table(summary))
         if run.ppl:
             parts.append(perplexity_table(data.perplexity_summary([run])))
+        if run.bench:
+            parts.append(
+                f'<p class="note">{len(run.bench)} bench rows: see <a href="#bench">Decode speed</a>.</p>'
+            )
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -360,27 +521,34 @@ def render(runs: list[Run]) -> str:
     summary = [entry for run_entries in summaries for entry in run_entries]
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     names = ", ".join(run.name for run in runs)
+    ppl, bench = sum(len(run.ppl) for run in runs), sum(len(run.bench) for run in runs)
+    counts = [f"{len(rows)} rows"] if rows or not (ppl or bench) else []
+    counts += [f"{ppl} perplexity rows"] if ppl else []
+    counts += [f"{bench} bench rows"] if bench else []
     body = [
         "<h1>kvweave report</h1>",
-        f'<p class="note">{len(rows)} rows from {escape(names)}; generated {stamp}. Question-agnostic unless '
-        "the command says <code>--question-aware</code>.</p>",
-        '<section id="overview"><h2>Overview</h2>',
-        '<p class="note">One table per context length: accuracy per task (mean over trials, their number in '
-        "brackets), mean compression, KV memory held, and median decode speed as a ratio against "
-        "<code>full</code> in the same run.</p>",
-        *(
-            [f'<p class="note">{escape(note)}</p>']
-            if (note := data.metric_note(r["task"] for r in summary))
-            else []
-        ),
-        overview_tables(summary),
-        "</section>",
-        heatmap_section(rows),
-        frontier_section(rows),
-        memory_speed_section(rows),
-        perplexity_section(runs),
-        runs_section(runs, summaries),
+        f'<p class="note">{", ".join(counts)} from {escape(names)}; generated {stamp}.'
+        + (" Question-agnostic unless the command says <code>--question-aware</code>." if rows else "")
+        + "</p>",
     ]
+    if rows or not (ppl or bench):  # a perplexity or bench run alone has no eval sections
+        body += [
+            '<section id="overview"><h2>Overview</h2>',
+            '<p class="note">One table per context length: accuracy per task (mean over trials, their number '
+            "in brackets), mean compression, KV memory held, and median decode speed as a ratio against "
+            "<code>full</code> in the same run.</p>",
+            *(
+                [f'<p class="note">{escape(note)}</p>']
+                if (note := data.metric_note(r["task"] for r in summary))
+                else []
+            ),
+            overview_tables(summary),
+            "</section>",
+            heatmap_section(rows),
+            frontier_section(rows),
+            memory_speed_section(rows),
+        ]
+    body += [perplexity_section(runs), bench_section(runs), runs_section(runs, summaries)]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>kvweave report: {escape(names)}</title><style>{CSS}</style></head>\n<body>\n"

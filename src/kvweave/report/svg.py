@@ -1,4 +1,5 @@
-"""Tiny SVG chart helpers: a scatter/line chart and a heatmap, as strings to inline in an HTML page.
+"""Tiny SVG chart helpers: a scatter/line chart, a measured-vs-bound gap chart and a heatmap, as strings to
+inline in an HTML page.
 
 No plotting library: the report must render offline, in any browser, from one file. Coordinates are in
 CSS pixels; every chart is a standalone ``<svg>`` element with a ``<title>`` for screen readers.
@@ -153,6 +154,64 @@ def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
+def _label(x: float, y: float, text: str, limit: int, size: int = 11, **attrs: str) -> str:
+    """A text shortened to ``limit`` characters; when shortened, the whole text is its tooltip."""
+    short = _shorten(text, limit)
+    if short == text:
+        return _text(x, y, text, size=size, **attrs)
+    return f"<g><title>{escape(text)}</title>{_text(x, y, short, size=size, **attrs)}</g>"
+
+
+LEGEND_WIDTH = 170
+LEGEND_ROW = 18
+
+
+def _frame(
+    out: list[str],
+    x_axis: Axis,
+    y_axis: Axis,
+    height: int,
+    title: str,
+    x_label: str,
+    y_label: str,
+    x_format: Callable[[float], str],
+    y_format: Callable[[float], str],
+) -> None:
+    """Title, grid lines with tick labels, the plot frame and the axis labels."""
+    left, right, top, bottom = x_axis.start, x_axis.end, y_axis.end, y_axis.start
+    out.append(_label(left, 20, title, 72, size=13, font_weight="600"))
+    for tick in x_axis.ticks():
+        x = x_axis(tick)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#e5e5e5"/>')
+        out.append(_text(x, bottom + 15, x_format(tick), anchor="middle", fill="#444"))
+    for tick in y_axis.ticks():
+        y = y_axis(tick)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(_text(left - 6, y + 4, y_format(tick), anchor="end", fill="#444"))
+    out.append(
+        f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>'
+    )
+    out.append(_text((left + right) / 2, height - 10, x_label, anchor="middle"))
+    out.append(
+        f'<text transform="translate(14,{(top + bottom) / 2:.1f}) rotate(-90)" font-size="11" '
+        f'text-anchor="middle">{escape(y_label)}</text>'
+    )
+
+
+def _legend_line(right: float, index: int, top: float, name: str, color: str, dash: str = "") -> list[str]:
+    legend_y = top + 6 + LEGEND_ROW * index
+    return [
+        f'<line x1="{right + 14}" y1="{legend_y}" x2="{right + 32}" y2="{legend_y}" stroke="{color}" '
+        f'stroke-width="3"{dash}/>',
+        _label(right + 38, legend_y + 4, name, 22),
+    ]
+
+
+def _fit_height(height: int, top: int, legend_rows: int) -> int:
+    """``height``, or more when the legend needs more rows than the plot is tall."""
+    return max(height, top + 6 + LEGEND_ROW * legend_rows + 40)
+
+
 # ----------------------------------------------------------------------------------------- charts
 
 
@@ -171,51 +230,125 @@ def line_chart(
     height: int = 330,
     connect: bool = True,
 ) -> str:
-    """Scatter points of each series (joined in x order when ``connect``), with axes, labels and a legend."""
-    legend_width = 170
-    left, right, top, bottom = 58, width - legend_width - 10, 34, height - 46
+    """Scatter points of each series (joined in x order when ``connect``), with axes, labels and a legend
+    (long names shortened, the whole name in a tooltip; the chart grows when the legend needs it). Each point
+    has a tooltip with its series, x and y."""
+    top = 34
+    height = _fit_height(height, top, len(series))
+    left, right, bottom = 58, width - LEGEND_WIDTH - 10, height - 46
     xs = [x for s in series for x, _ in s.points]
     ys = [y for s in series for _, y in s.points]
     x_axis = Axis.fit(xs, left, right, log=x_log)
     y_axis = Axis.fit(ys, bottom, top, log=y_log, low=y_low, high=y_high)
     out = _open(width, height, title, "chart")
-    out.append(_text(left, 20, title, size=13, font_weight="600"))
-    for tick in x_axis.ticks():
-        x = x_axis(tick)
-        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#e5e5e5"/>')
-        out.append(_text(x, bottom + 15, x_format(tick), anchor="middle", fill="#444"))
-    for tick in y_axis.ticks():
-        y = y_axis(tick)
-        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#e5e5e5"/>')
-        out.append(_text(left - 6, y + 4, y_format(tick), anchor="end", fill="#444"))
-    out.append(
-        f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>'
-    )
-    out.append(_text((left + right) / 2, height - 10, x_label, anchor="middle"))
-    out.append(
-        f'<text transform="translate(14,{(top + bottom) / 2:.1f}) rotate(-90)" font-size="11" '
-        f'text-anchor="middle">{escape(y_label)}</text>'
-    )
+    _frame(out, x_axis, y_axis, height, title, x_label, y_label, x_format, y_format)
     for index, s in enumerate(series):
         color = s.color or PALETTE[index % len(PALETTE)]
         ordered = sorted(zip(s.points, s.labels or [""] * len(s.points), strict=False))
-        pixels = [(x_axis(x), y_axis(y), label) for (x, y), label in ordered]
+        pixels = [(x_axis(x), y_axis(y), x, y, label) for (x, y), label in ordered]
         dash = ' stroke-dasharray="5,4"' if s.dashed else ""
         if connect and len(pixels) > 1:
-            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in pixels)
+            path = " ".join(f"{px:.1f},{py:.1f}" for px, py, *_ in pixels)
             out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
-        for x, y, label in pixels:
-            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4.5" fill="{color}" stroke="#fff"/>')
+        for px, py, x, y, label in pixels:
+            tip = f"{s.name}{f' ({label})' if label else ''}: {x_format(x)}, {y_format(y)}"
+            out.append(
+                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4.5" fill="{color}" stroke="#fff">'
+                f"<title>{escape(tip)}</title></circle>"
+            )
             if label:
-                out.append(_text(x + 6, y - 6, _shorten(label, 22), size=9, fill="#333"))
-        legend_y = top + 6 + 18 * index
-        out.append(
-            f'<line x1="{right + 14}" y1="{legend_y}" x2="{right + 32}" y2="{legend_y}" stroke="{color}" '
-            f'stroke-width="3"{dash}/>'
-        )
-        out.append(_text(right + 38, legend_y + 4, _shorten(s.name, 22)))
+                out.append(_label(px + 6, py - 6, label, 22, size=9, fill="#333"))
+        out += _legend_line(right, index, top, s.name, color, dash)
     out.append("</svg>")
     return "\n".join(out)
+
+
+@dataclass
+class GapPoint:
+    """A measured value beside the most it could be: ``y`` (measured) and ``bound`` at the same ``x``."""
+
+    x: float
+    y: float
+    bound: float
+    label: str = ""
+    tip: str = ""
+
+
+@dataclass
+class GapSeries:
+    """One named series of :class:`GapPoint`."""
+
+    name: str
+    points: list[GapPoint]
+    color: str = ""
+
+
+def gap_chart(
+    series: Sequence[GapSeries],
+    title: str,
+    x_label: str,
+    y_label: str,
+    x_log: bool = True,
+    reference: float | None = 1.0,
+    x_format: Callable[[float], str] = format_number,
+    y_format: Callable[[float], str] = format_number,
+    measured_name: str = "measured",
+    bound_name: str = "bound",
+    width: int = 560,
+    height: int = 330,
+) -> str:
+    """Each point drawn twice: a filled dot at its measured ``y`` and a hollow diamond at its ``bound``, joined
+    by a thin vertical segment (the gap); a dashed horizontal line at ``reference``. Points are not joined
+    across x. The legend names the series, then the two markers."""
+    top = 34
+    height = _fit_height(height, top, len(series) + 2)
+    left, right, bottom = 58, width - LEGEND_WIDTH - 10, height - 46
+    xs = [p.x for s in series for p in s.points]
+    ys = [v for s in series for p in s.points for v in (p.y, p.bound)]
+    if reference is not None:
+        ys.append(reference)
+    x_axis = Axis.fit(xs, left, right, log=x_log)
+    y_axis = Axis.fit(ys, bottom, top, low=0.0)
+    out = _open(width, height, title, "chart gap")
+    _frame(out, x_axis, y_axis, height, title, x_label, y_label, x_format, y_format)
+    if reference is not None:
+        y = y_axis(reference)
+        out.append(
+            f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#555" stroke-dasharray="5,4"/>'
+        )
+    for index, s in enumerate(series):
+        color = s.color or PALETTE[index % len(PALETTE)]
+        for p in sorted(s.points, key=lambda p: (p.x, p.y)):
+            px, py, pb = x_axis(p.x), y_axis(p.y), y_axis(p.bound)
+            tip = p.tip or (
+                f"{s.name}{f' ({p.label})' if p.label else ''}: x {x_format(p.x)}, {measured_name} "
+                f"{y_format(p.y)}, {bound_name} {y_format(p.bound)}"
+            )
+            out.append(f"<g><title>{escape(tip)}</title>")
+            out.append(
+                f'<line x1="{px:.1f}" y1="{py:.1f}" x2="{px:.1f}" y2="{pb:.1f}" stroke="{color}" '
+                'stroke-width="1.5" stroke-opacity="0.7"/>'
+            )
+            out.append(_diamond(px, pb, color))
+            out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4.5" fill="{color}" stroke="#fff"/>')
+            out.append("</g>")
+            if p.label:
+                out.append(_label(px + 7, py + 3, p.label, 12, size=9, fill="#333"))
+        out += _legend_line(right, index, top, s.name, color)
+    key_y = top + 6 + LEGEND_ROW * len(series)
+    out.append(f'<circle cx="{right + 23}" cy="{key_y:.1f}" r="4.5" fill="#555"/>')
+    out.append(_label(right + 38, key_y + 4, measured_name, 22))
+    out.append(_diamond(right + 23, key_y + LEGEND_ROW, "#555"))
+    out.append(_label(right + 38, key_y + LEGEND_ROW + 4, bound_name, 22))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _diamond(x: float, y: float, color: str, size: float = 5.0) -> str:
+    return (
+        f'<polygon points="{x:.1f},{y - size:.1f} {x + size:.1f},{y:.1f} {x:.1f},{y + size:.1f} '
+        f'{x - size:.1f},{y:.1f}" fill="#fff" stroke="{color}" stroke-width="2"/>'
+    )
 
 
 def _mix(a: str, b: str, t: float) -> str:

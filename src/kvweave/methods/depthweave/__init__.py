@@ -180,6 +180,12 @@ class DepthWeave(Method):
     bits: int = option(4, "bits of the token-side bases: 16, 8 or 4 (coefficients at 8 when below 16)")
     recent: int = option(32, "newest tokens kept exact")
     block: int = option(64, "tokens folded into the factorization at a time while decoding")
+    decode_tokens: int = option(
+        1024,
+        "compressed tokens each decode step attends per KV head: the pages whose upper bound of q·k is highest "
+        "(page summaries kept per layer, counted in the budget); 0: every token, exactly, no summaries",
+    )
+    page: int = option(64, "tokens per page summary (decode_tokens > 0)")
     drift: float = option(1.5, "probe error / reference ratio that refreshes the basis while decoding")
     weighting: float = option(1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
     storage: str = option(
@@ -190,7 +196,7 @@ class DepthWeave(Method):
 
     needs_positions = True
     cross_layer = True
-    budget_options = {"compression": "compression"}
+    budget_options = {"compression": "compression", "decode_tokens": "attended tokens"}
     renamed_options = {"target_ratio": "compression"}
     test_options = {
         "recent": 8,
@@ -200,6 +206,8 @@ class DepthWeave(Method):
         "probe": 4,
         "window": 8,
         "sinks": 2,
+        "decode_tokens": 8,
+        "page": 4,
     }
     invalid_options = (
         ({"group": 3}, "group"),
@@ -220,6 +228,8 @@ class DepthWeave(Method):
         ({"bits": 5}, "bits"),
         ({"recent": -1}, "recent"),
         ({"block": 0}, "block"),
+        ({"decode_tokens": -1}, "decode_tokens"),
+        ({"page": 0}, "page"),
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
     )
@@ -234,6 +244,8 @@ class DepthWeave(Method):
             if self.target_error < 1e-6:
                 raise ValueError(f"{self.name}: option target_error={self.target_error!r} must be > 0")
         self.check_range("rank", 1)
+        self.check_range("decode_tokens", 0)
+        self.check_range("page", 1)
         self.check_range("probe", 1)
         self.check_range("window", 1)
         self.check_range("sinks", 0)

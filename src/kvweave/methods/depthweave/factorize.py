@@ -22,6 +22,7 @@ from kvweave.methods.depthweave.ranks import (
     side_bytes,
 )
 from kvweave.methods.depthweave.router import make_plan, novelty_score
+from kvweave.methods.depthweave.select import bounds_bytes, summarize
 from kvweave.methods.depthweave.store import COORD_GROUP, RowStore
 from kvweave.ops.lowrank import orthonormal_columns, top_basis
 from kvweave.ops.quantize import fake_quantize, pack
@@ -37,11 +38,15 @@ def add_chunk(
 ) -> None:
     """Fold ``chunk`` into ``store``: a first chunk creates the bases, later ones are projected onto them."""
     cos_sin = rotary.cos_sin(chunk.positions.view(1, -1), chunk.x_k.device) if rotary is not None else None
+    before = {key: segment.slots.numel() for key, segment in store.segments.items()}
+    refreshes = store.log["refreshes"]
     if not store.basis["k"]:
         initialize(store, chunk, probe, cos_sin, budget)
     else:
         project(store, chunk, probe if store.method.probes else None, cos_sin)
     store.log["folds"] += 1
+    if store.method.decode_tokens > 0:  # page summaries of what changed (all of it after a refresh)
+        summarize(store, rotary, {} if store.log["refreshes"] != refreshes else before)
 
 
 def initialize(store: RowStore, chunk: Chunk, probe: Probe | None, cos_sin: Any, budget: Budget) -> None:
@@ -204,6 +209,7 @@ def choose_ranks(
     else:  # byte budget: what the row may spend on coordinates and coefficients
         fixed = budget.recent_bytes + store.exact_bytes_estimate(counts["exact"], element)
         fixed += (int(factor.numel()) * (8 if method.keys == "pre_rope" else 4)) + counts["exact"] * 4
+        fixed += bounds_bytes(method, int(factor.numel()), len(store.members), store.heads, store.dim)
         available = budget.full_16bit / (method.compression or 8.0) - fixed
         ranks, errors = ranks_within(caps, cost, side_error, available)
     store.log["probe_error_k"] = interpolate(errors["k"], ranks["k"])

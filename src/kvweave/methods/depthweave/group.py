@@ -209,7 +209,14 @@ class WeaveGroup(Stateful):
         stores = [s for s in self.rows if s is not None]
         if not stores:
             return {"compressed": False}
-        parts = {"coordinates": 0, "coefficients": 0, "exact_rows": 0, "indices": 0, "recent": 0}
+        parts = {
+            "coordinates": 0,
+            "coefficients": 0,
+            "exact_rows": 0,
+            "indices": 0,
+            "page_bounds": 0,
+            "recent": 0,
+        }
         parts_16bit = dict(parts)
         for store in stores:
             for key, (held, unquantized) in store.part_bytes(self.members).items():

@@ -10,6 +10,7 @@ from kvweave._compat import mask_to_bool, sdpa_attention
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.parts import DensePart, attend_parts
 from kvweave.methods.depthweave.router import observed_attention
+from kvweave.methods.depthweave.select import selected_parts
 from kvweave.ops.masking import prompt_padding
 
 if TYPE_CHECKING:
@@ -111,11 +112,22 @@ class DepthWeaveLayer(CompressedLayer):
         m = recent.count()
         recent_slots = torch.arange(self.seen - m, self.seen, device=query.device)
         stores = self.group.rows
-        rotary = self.cache.rotary_for(self.layer_idx) if self.method.keys == "pre_rope" else None
+        pre_rope = self.method.keys == "pre_rope"
+        rotary = self.cache.rotary_for(self.layer_idx) if pre_rope else None
+        selective = self.method.decode_tokens > 0 and query.shape[2] == 1  # one new token per row: decoding
+        table = self.cache.context.rope_table(self.layer_idx) if selective and pre_rope else None
+        if table is not None:
+            table.ensure(self.seen + 1, query.device)
         outs = []
+        heads = self.recent.keys.shape[1]  # type: ignore[union-attr]
         for b in range(query.shape[0]):
             store = stores[b] if b < len(stores) else None
-            parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
+            parts = None
+            if store is not None and selective:
+                packed = query[b].float().reshape(heads, -1, query.shape[-1])  # [H, g, D]
+                parts = selected_parts(store, self.layer_idx, packed, table)
+            if parts is None:
+                parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
             keys, values = recent.keys[b], recent.values[b]  # type: ignore[index]
             parts.append(DensePart(keys.float(), values.float(), recent_slots))
             row_mask = None if mask is None else mask[b : b + 1]

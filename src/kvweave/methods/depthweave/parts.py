@@ -83,16 +83,26 @@ def attend_parts(
     g = hq // h
     packed = query.reshape(h, g * q_len, d)
     logits = torch.cat([p.logits(packed) for p in parts], dim=-1) * scaling  # [H, g·q, N]
-    slots = torch.cat([p.slots for p in parts])
-    visible = visible_mask(mask, slots.view(1, 1, -1), first, q_len)[0, 0].repeat(g, 1)  # [g·q, N]
+    slots = torch.cat(
+        [p.slots.expand(h, -1) if p.slots.dim() == 1 else p.slots for p in parts], dim=1
+    )  # [H, N]
+    visible = visible_mask(mask, slots.unsqueeze(0), first, q_len)[0]  # [H, q, N]
+    valid = [getattr(p, "valid", None) for p in parts]
+    if any(v is not None for v in valid):  # per-head selections padded to one length
+        flags = [
+            v if v is not None else torch.ones_like(p.slots.expand(h, -1), dtype=torch.bool)
+            for v, p in zip(valid, parts, strict=True)
+        ]
+        visible = visible & torch.cat(flags, dim=1).unsqueeze(1)
+    visible = visible.repeat(1, g, 1)  # [H, g·q, N], rows ordered (query head, query) like ``packed``
     visible = visible | ~visible.any(dim=-1, keepdim=True)  # padding queries: anything, never used
     probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     out = torch.zeros(h, g * q_len, d, device=query.device)
     start = 0
     for part in parts:
-        n = part.slots.numel()
+        n = part.slots.shape[-1]
         out += part.output(probs[..., start : start + n])
         start += n
-    m = parts[-1].slots.numel()
+    m = parts[-1].slots.shape[-1]
     recent = probs[..., start - m :].sum(0).view(g, q_len, m).sum(0).amax(0)
     return out.view(hq, q_len, d).transpose(0, 1), recent

@@ -11,6 +11,7 @@ import torch
 from kvweave.cache import tensors_nbytes
 from kvweave.methods.depthweave.chunk import EXACT, HI, LO, MID, Chunk, Plan
 from kvweave.methods.depthweave.parts import DensePart, FactorPart
+from kvweave.ops.pages import PageBounds
 from kvweave.ops.quantize import Packed, pack, packed_bytes
 from kvweave.state import Stateful
 
@@ -31,10 +32,14 @@ class Segment(Stateful):
     coords_v: Packed
     slots: torch.Tensor  # [n] int32
     positions: torch.Tensor | None  # [n] int32 (pre-RoPE keys only)
+    bounds: dict[int, PageBounds] = dataclasses.field(default_factory=dict)  # layer -> page summaries
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [self.slots] + ([self.positions] if self.positions is not None else [])
-        return self.coords_k.tensors() + self.coords_v.tensors() + extra
+        return self.coords_k.tensors() + self.coords_v.tensors() + extra + self.bound_tensors()
+
+    def bound_tensors(self) -> list[torch.Tensor]:
+        return [t for bounds in self.bounds.values() for t in bounds.tensors()]
 
 
 class RowStore(Stateful):
@@ -123,7 +128,9 @@ class RowStore(Stateful):
             return sum(p.nbytes() for p in packs), sum(2 * p.logical_elements() for p in packs)
 
         index_bytes = tensors_nbytes(indices)
+        bound_bytes = tensors_nbytes([t for s in self.segments.values() for t in s.bound_tensors()])
         return {
+            "page_bounds": (bound_bytes, bound_bytes),
             "coordinates": sizes(coords),
             "coefficients": sizes(coefs),
             "exact_rows": sizes(exact),

@@ -165,10 +165,15 @@ class DKCache(Method):
         "above which far pages are retrieved",
     )
     bits: int = option(
-        16, "steady and far storage: 16 = the model's dtype, 8 = INT8 per token (4 is refused)"
+        8, "steady and far storage: 8 = INT8 per token (the default), 16 = the model's dtype (4 is refused)"
     )
     far_dtype: str = option("model", "far-tier storage: model (the model's dtype) or int8 (per-token scales)")
     offload: bool = option(False, "keep the far tier in host memory when the model is on an accelerator")
+    kernel: str = option(
+        "auto",
+        "INT8 tiers at decode: cpp (fused C++ CPU kernel on the codes), torch (dequantize, the reference) or "
+        "auto (cpp on CPU when it builds)",
+    )
     path: str = option(
         "fast",
         "attention kernels: fast (fused CPU prefill beyond the trained range, decode logits "
@@ -239,6 +244,7 @@ class DKCache(Method):
         self.check_range("entropy_threshold", 0.0, 1.0)
         self.check_choice("key_storage", ["pre_rope", "post_rope"])
         self.check_choice("far_dtype", ["model", "int8"])
+        self.check_choice("kernel", ["auto", "cpp", "torch"])
         self.check_choice("path", PATHS)
         self.check_range("flash_chunk", 1)
         if self.rope_compensation and self.key_storage == "post_rope":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvweave._compat import mask_to_bool
+from kvweave.kernels.cpu_int8 import Int8Rows
 from kvweave.methods.dkcache.far import Part
 from kvweave.methods.dkcache.positions import is_near
 from kvweave.ops.attention import fused_part_attention, merge_parts
@@ -262,9 +263,14 @@ def attend_parts(
     scores = torch.cat([p[0] for p in parts], dim=-1).view(b, h, g, n, -1)
     probs, entropy = attention_probs(scores, visible, scaling)
     out, low = None, 0
+    dtype = parts[-1][1].dtype  # the core tier's values: the model's dtype
     for _, values, *_ in parts:
         width = values.shape[2]
-        term = probs[..., low : low + width].to(values.dtype).reshape(b, h, g * n, width) @ values
+        weights = probs[..., low : low + width].reshape(b, h, g * n, width)
+        if isinstance(values, Int8Rows):  # INT8 tier: weighted straight from the codes
+            term = values.weighted(weights).to(dtype)
+        else:
+            term = weights.to(values.dtype) @ values
         out, low = term if out is None else out + term, low + width
     assert out is not None
     attended = visible[:, :, -1, :].sum(-1).float().mean(1)

@@ -9,21 +9,13 @@ import torch
 
 from kvweave.methods.dkcache import tiers
 from kvweave.methods.dkcache.tiers import KeyMap
+from kvweave.ops.pages import page_upper_bounds
 from kvweave.ops.quantize import dequantize_int8, quantize_int8
 from kvweave.ops.rope import RopeTable
 from kvweave.state import Stateful
 
 Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """An attention part: ``keys, values [B, H, T, D]``, ``positions [B, 1 or H, T]``, ``slots [B, 1 or H, T]``."""
-
-
-def page_upper_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
-    """Upper bound of ``q·k`` over each page: ``Σ_d max(q_d·min_d, q_d·max_d)``, as two matmuls.
-
-    ``query: [B, H, n, D]`` (a KV head's query rows), ``page_min, page_max: [B, H, P, D]`` -> ``[B, H, n, P]``.
-    """
-    q = query.float()
-    return q.clamp(min=0) @ page_max.transpose(-1, -2) + q.clamp(max=0) @ page_min.transpose(-1, -2)
 
 
 def far_device(device: torch.device, offload: bool) -> torch.device:

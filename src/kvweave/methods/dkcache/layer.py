@@ -9,6 +9,8 @@ import torch
 
 from kvweave._compat import mask_to_bool, sdpa_attention
 from kvweave.cache import CompressedLayer, StepPositions, tensors_nbytes
+from kvweave.kernels import cpu_int8
+from kvweave.kernels.cpu_int8 import Int8Rows
 from kvweave.methods.dkcache.attention import (
     CHUNK_ELEMENTS,
     ScoredPart,
@@ -342,9 +344,15 @@ class DKCacheLayer(CompressedLayer):
         ] = []
         if self.far is not None:  # keys, values, slots, validity, bias
             parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype, False)]
+        kernel = self.method.kernel != "torch"
+        if self.method.kernel == "cpp" and cpu_int8.load() is None:
+            raise RuntimeError(
+                f"dkcache: kernel=cpp, but the C++ INT8 kernel is not available: "
+                f"{cpu_int8.unavailable_reason()}; use kernel=auto or kernel=torch"
+            )
         for tier, decoupled in ((self.steady_tier, self.alpha > 0), (self.core_tier, False)):
             if len(tier):
-                keys, values, positions = tier.read(dtype)
+                keys, values, positions = tier.read_rows(dtype, kernel)
                 slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=self.device)
                 mean = self.steady_mean() if decoupled else None
                 bias = (
@@ -359,7 +367,7 @@ class DKCacheLayer(CompressedLayer):
         q = query.reshape(b, h, hq // h * n, d)
         scored: list[ScoredPart] = []
         for keys, values, slots, ok, bias in parts:
-            logits = q @ keys.to(q.dtype).transpose(-1, -2)
+            logits = keys.logits(q) if isinstance(keys, Int8Rows) else q @ keys.to(q.dtype).transpose(-1, -2)
             scored.append((logits if bias is None else logits + bias, values, slots, ok))
         return self._attend_parts(scored, query.shape, attention_mask, scaling, first, q_len)
 
@@ -605,6 +613,25 @@ class DKCacheLayer(CompressedLayer):
                 if t is not None
             ],
         }
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step reads: the live core and steady entries, the far tier's sinks and page summaries,
+        and the pages retrieved at the last step (not the far pages left out)."""
+        total = self.core_tier.entry_bytes() + self.steady_tier.entry_bytes()
+        far = self.far
+        if far is None:
+            return total
+        total += tensors_nbytes(far.sink.values())
+        count = far.page_count()
+        for summary in (far.page_min, far.page_max):
+            if summary is not None:
+                total += summary[:, :, :count].numel() * summary.element_size()
+        if self.pages_last is not None and far.store:
+            per_token = sum(
+                t[0, 0, 0].numel() * t.element_size() for name, t in far.store.items() if name != "positions"
+            )
+            total += int(self.pages_last.sum().item()) * far.page * per_token
+        return total
 
     def nbytes(self) -> int:
         """Bytes of every tensor this layer holds (all tiers, page summaries, running mean). The RoPE table is

@@ -5,6 +5,7 @@ attention (:func:`measure_key_shift`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -180,6 +181,29 @@ class Tier(Stateful):
             self.positions.view(),
             dtype,
         )
+
+    def read_rows(self, dtype: torch.dtype, kernel: bool) -> tuple[Any, Any, torch.Tensor]:
+        """Like :meth:`read`, but an INT8 tier gives its codes as :class:`~kvweave.kernels.cpu_int8.Int8Rows`
+        (attended without dequantizing; ``kernel``: may use the C++ kernel)."""
+        if not self.quantized:
+            return self.read(dtype)
+        from kvweave.kernels.cpu_int8 import Int8Rows
+
+        view = {name: part.view() for name, part in self.parts.items()}
+        return (
+            Int8Rows(view["keys"], view["key_scales"], kernel),
+            Int8Rows(view["values"], view["value_scales"], kernel),
+            self.positions.view().to(torch.int64),
+        )
+
+    def entry_bytes(self) -> int:
+        """Bytes of the live entries (keys, values, scales, positions; not the buffers' slack capacity)."""
+        total = 0
+        for part in (*self.parts.values(), self.positions):
+            if part.data is not None and len(part):
+                live = part.view()
+                total += live.numel() * live.element_size()
+        return total
 
     def pop_front(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Remove and return the oldest ``n`` entries."""

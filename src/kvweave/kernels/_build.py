@@ -1,0 +1,36 @@
+"""Building kvweave's C++ CPU kernels on first use (``torch.utils.cpp_extension.load_inline``), once per machine.
+
+A kernel that cannot be built (no compiler, no ninja, ``KVWEAVE_NO_CPP=1``) is reported, not fatal: callers
+use their torch reference path, and say which one ran.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+
+def build(name: str, declarations: str, source: str, functions: list[str]) -> tuple[Any | None, str | None]:
+    """``(module, None)`` or ``(None, reason)`` for the C++ ``source`` exporting ``functions``."""
+    if os.environ.get("KVWEAVE_NO_CPP", "") not in ("", "0"):
+        return None, "disabled by KVWEAVE_NO_CPP"
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load_inline(
+            name=name,
+            cpp_sources=[declarations, source.replace("#include <torch/extension.h>", "")],
+            functions=functions,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+        return module, None
+    except Exception as exc:  # no compiler, no ninja, unsupported platform: report and use the torch path
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        warnings.warn(
+            f"kvweave: the C++ kernel {name} could not be built ({reason}); using torch", stacklevel=3
+        )
+        return None, reason

@@ -1,0 +1,179 @@
+"""Fused CPU kernel for attention over INT8 rows with one float32 scale per token (DK-Cache's steady and far
+tiers, :func:`kvweave.ops.quantize.quantize_int8`): score and weight the values straight from the int8 codes,
+without writing a dequantized tensor, so a step reads a quarter of the bytes of a float32 tier.
+
+:class:`Int8Rows` is what attention code holds: ``logits`` and ``weighted`` run the C++ kernel on the CPU when
+it builds (``torch.utils.cpp_extension``, once per machine, like :mod:`kvweave.kernels.cpu_quant`) and the torch
+reference (dequantize, matmul) otherwise or on other devices; ``kernel_used`` says which ran. Tested against the
+reference in ``tests/methods/test_int8_kernel.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from kvweave.kernels._build import build
+
+_NAME = "kvweave_cpu_int8_v1"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <algorithm>
+#include <vector>
+
+// out[b,h,r,t] = scale[b,h,t] * sum_d q[b,h,r,d] * codes[b,h,t,d]
+// q: [B,H,R,D] float32 contiguous; codes: [B,H,T,D] int8, last dim contiguous (any other strides);
+// scale: [B,H,T] float32 (any strides).
+torch::Tensor int8_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor scale) {
+  TORCH_CHECK(q.dim() == 4 && codes.dim() == 4 && scale.dim() == 3, "int8_logits: bad ranks");
+  TORCH_CHECK(codes.stride(3) == 1, "int8_logits: codes need a contiguous last dimension");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), T = codes.size(2);
+  TORCH_CHECK(D <= 1024, "int8_logits: head dim above 1024");
+  auto out = torch::empty({B, H, R, T}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t c0 = codes.stride(0), c1 = codes.stride(1), c2 = codes.stride(2);
+  const int64_t s0 = scale.stride(0), s1 = scale.stride(1), s2 = scale.stride(2);
+  const int64_t CHUNK = 512, chunks = (T + CHUNK - 1) / CHUNK;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b = bh / H, h = bh % H;
+      const int8_t* base = cp + b * c0 + h * c1;
+      const float* sbase = sp + b * s0 + h * s1;
+      const float* qh = qp + bh * R * D;
+      float* oh = op + bh * R * T;
+      float row[1024];
+      const int64_t end = std::min(T, (c + 1) * CHUNK);
+      for (int64_t t = c * CHUNK; t < end; ++t) {
+        const int8_t* k = base + t * c2;
+        for (int64_t d = 0; d < D; ++d) row[d] = (float)k[d];
+        const float s = sbase[t * s2];
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = qh + r * D;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d) acc += qr[d] * row[d];
+          oh[r * T + t] = acc * s;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// out[b,h,r,d] = sum_t w[b,h,r,t] * scale[b,h,t] * codes[b,h,t,d]
+// w: [B,H,R,T] float32 contiguous; codes, scale as in int8_logits. Partial sums per token chunk, then summed.
+torch::Tensor int8_values(torch::Tensor w, torch::Tensor codes, torch::Tensor scale) {
+  TORCH_CHECK(w.dim() == 4 && codes.dim() == 4 && scale.dim() == 3, "int8_values: bad ranks");
+  TORCH_CHECK(codes.stride(3) == 1, "int8_values: codes need a contiguous last dimension");
+  const int64_t B = w.size(0), H = w.size(1), R = w.size(2), T = w.size(3), D = codes.size(3);
+  TORCH_CHECK(D <= 1024, "int8_values: head dim above 1024");
+  const int64_t CHUNK = 1024, chunks = std::max<int64_t>(1, (T + CHUNK - 1) / CHUNK);
+  auto partial = torch::zeros({chunks, B, H, R, D}, w.options());
+  const float* wp = w.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* pp = partial.data_ptr<float>();
+  const int64_t c0 = codes.stride(0), c1 = codes.stride(1), c2 = codes.stride(2);
+  const int64_t s0 = scale.stride(0), s1 = scale.stride(1), s2 = scale.stride(2);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b = bh / H, h = bh % H;
+      const int8_t* base = cp + b * c0 + h * c1;
+      const float* sbase = sp + b * s0 + h * s1;
+      const float* wh = wp + bh * R * T;
+      float* acc = pp + ((c * B * H) + bh) * R * D;
+      float row[1024];
+      const int64_t end = std::min(T, (c + 1) * CHUNK);
+      for (int64_t t = c * CHUNK; t < end; ++t) {
+        const int8_t* v = base + t * c2;
+        const float s = sbase[t * s2];
+        for (int64_t d = 0; d < D; ++d) row[d] = (float)v[d] * s;
+        for (int64_t r = 0; r < R; ++r) {
+          const float wr = wh[r * T + t];
+          float* ar = acc + r * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ar[d] += wr * row[d];
+        }
+      }
+    }
+  }
+  return chunks == 1 ? partial[0] : partial.sum(0);
+}
+"""
+
+_CPP_DECL = (
+    "torch::Tensor int8_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor scale);\n"
+    "torch::Tensor int8_values(torch::Tensor w, torch::Tensor codes, torch::Tensor scale);"
+)
+
+_reason: str | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any | None:
+    """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
+    global _reason
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values"])
+    return module
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned ``None`` (``None`` if it has not failed)."""
+    return _reason
+
+
+def logits_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``query: [B, H, R, D]`` float, ``codes: [B, H, T, D]`` int8, ``scale: [B, H, T, 1]`` -> ``[B, H, R, T]``."""
+    return query.float() @ (codes.float() * scale.float()).transpose(-1, -2)
+
+
+def values_reference(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``weights: [B, H, R, T]`` -> ``[B, H, R, D]``: ``weights @ (codes · scale)``."""
+    return weights.float() @ (codes.float() * scale.float())
+
+
+@dataclasses.dataclass
+class Int8Rows:
+    """INT8 rows ``codes: [B, H, T, D]`` with ``scale: [B, H, T, 1]`` float32, attended without dequantizing."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    use_kernel: bool = True
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def _kernel(self) -> Any | None:
+        if not self.use_kernel or self.codes.device.type != "cpu" or self.codes.stride(-1) != 1:
+            return None
+        return load()
+
+    @property
+    def kernel_used(self) -> str:
+        return "cpp" if self._kernel() is not None else "torch"
+
+    def logits(self, query: torch.Tensor) -> torch.Tensor:
+        """``query: [B, H, R, D]`` -> ``[B, H, R, T]`` float32."""
+        module = self._kernel()
+        if module is None:
+            return logits_reference(query, self.codes, self.scale)
+        b, h = self.codes.shape[:2]
+        query = query.float().expand(b, h, -1, -1).contiguous()
+        return module.int8_logits(query, self.codes, self.scale[..., 0])
+
+    def weighted(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights: [B, H, R, T]`` -> ``[B, H, R, D]`` float32."""
+        module = self._kernel()
+        if module is None:
+            return values_reference(weights, self.codes, self.scale)
+        return module.int8_values(weights.float().contiguous(), self.codes, self.scale[..., 0])

@@ -1,0 +1,158 @@
+"""Selective decode: each step, attend to the compressed tokens whose keys could score highest, rebuilding only
+those keys (ShadowKV / Quest / Loki all avoid rebuilding every key every step; this is the Quest flavour).
+
+Each segment keeps, per layer, INT8 page summaries (:class:`kvweave.ops.pages.PageBounds`) of its post-RoPE
+keys as they are stored (reconstructed from the quantized coordinates, so a bound bounds what attention sees).
+A decode step (one new query per row) scores every page's upper bound of ``q·k`` (max over the query heads of a
+KV head), takes the top ``decode_tokens / page`` pages per KV head, gathers only those tokens' coordinates,
+rebuilds and rotates their keys and attends exactly over them, the exact rows and the recent buffer; values stay
+``(P·C_v)·R_v``. Tokens of pages not chosen get no weight this step. When the store has no more pages than the
+budget, the step attends over everything exactly (:meth:`RowStore.attention_parts`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvweave.methods.depthweave.parts import DensePart
+from kvweave.ops.pages import PageBounds, page_extremes
+
+if TYPE_CHECKING:
+    from kvweave.methods.depthweave.store import RowStore, Segment
+    from kvweave.ops.quantize import Packed
+    from kvweave.ops.rope import RopeTable, Rotary
+
+
+class SelectedPart:
+    """Chosen tokens of one segment, per KV head: ``keys: [H, T, D]`` rebuilt post-RoPE, ``coords_v: [H, T, w]``,
+    ``r_v: [w, H, D]``, ``slots: [H, T]`` and ``valid: [H, T]`` (False: padding of a head that chose fewer)."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        coords_v: torch.Tensor,
+        r_v: torch.Tensor,
+        slots: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        self.keys, self.coords_v, self.r_v, self.slots, self.valid = keys, coords_v, r_v, slots, valid
+
+    def logits(self, query: torch.Tensor) -> torch.Tensor:
+        """``query: [H, M, D]`` -> ``[H, M, T]``."""
+        return query @ self.keys.transpose(-1, -2)
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs: [H, M, T]`` -> ``[H, M, D]``: ``(P·C_v)·R_v`` per head."""
+        weights = probs @ self.coords_v  # [H, M, w]
+        return weights @ self.r_v.permute(1, 0, 2)  # [H, w, D]
+
+
+def rebuilt_keys(
+    store: RowStore,
+    segment: Segment,
+    layer: int,
+    rows: torch.Tensor,
+    rotate: Any,
+    coords: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[H, T, D]`` post-RoPE keys of ``layer`` for segment rows ``rows: [H, T]`` (or ``[T]``: every head);
+    ``coords``: those rows' key coordinates when already read."""
+    heads, dim = store.heads, store.dim
+    if coords is None:
+        coords = segment.coords_k.gather_rows(rows)  # [..., T, w]
+    width = coords.shape[-1]
+    r_k = store.basis["k"][layer].dequantize()[:width].view(width, heads, dim).permute(1, 0, 2)  # [H, w, D]
+    if rows.dim() == 1:
+        keys = torch.einsum("tw,hwd->htd", coords, r_k)
+    else:
+        keys = coords @ r_k
+    if segment.positions is None:  # post-RoPE factorization: the rebuilt keys are the keys
+        return keys
+    positions = segment.positions[rows].long()
+    return rotate(keys.unsqueeze(0), positions.view(1, -1, positions.shape[-1]))[0]
+
+
+def read_pages(packed: Packed, pages: torch.Tensor, page: int, rows: torch.Tensor) -> torch.Tensor:
+    """Coordinates of the chosen pages (``rows``: their row indices): whole quantization groups when a page is
+    one group, else row by row."""
+    if packed.bits != 16 and packed.group == page:
+        return packed.gather_groups(pages)
+    return packed.gather_rows(rows)
+
+
+def summarize(store: RowStore, rotary: Rotary | None, first_rows: dict[tuple[int, int], int]) -> None:
+    """(Re)compute the page summaries of every segment from row ``first_rows[key]`` on (0: all)."""
+    page = store.method.page
+    for key, segment in store.segments.items():
+        start = first_rows.get(key, 0) // page * page
+        rows = torch.arange(start, segment.slots.numel(), device=segment.slots.device)
+        if rows.numel() == 0:
+            continue
+        for layer in store.members:
+            rotate = rotary.rotate if rotary is not None else None
+            keys = rebuilt_keys(store, segment, layer, rows, rotate)  # [H, n, D]
+            low, high = page_extremes(keys, page)
+            held = segment.bounds.get(layer)
+            if held is None or start == 0:
+                segment.bounds[layer] = PageBounds.of(low, high)
+            else:
+                segment.bounds[layer] = held.replace_from(start // page, low, high)
+
+
+def bounds_bytes(method: Any, tokens: int, layers: int, heads: int, dim: int) -> int:
+    """Bytes the page summaries of ``tokens`` factorized tokens take in ``layers`` layers (0 without them)."""
+    if method.decode_tokens <= 0:
+        return 0
+    return layers * heads * math.ceil(tokens / method.page) * (2 * dim + 4)
+
+
+def selected_parts(
+    store: RowStore, layer: int, query: torch.Tensor, table: RopeTable | None, pages: int | None = None
+) -> list[Any] | None:
+    """The parts a decode step of ``layer`` attends over (chosen pages + exact rows), or ``None`` when every page
+    fits the budget (then the caller attends over everything). ``query: [H, M, D]`` float32, packed per KV head.
+    ``pages``: choose this many pages per head instead of ``decode_tokens / page`` (tests: all of them)."""
+    method = store.method
+    segments = list(store.segments.values())
+    held = sum(s.bounds[layer].pages for s in segments) if segments else 0
+    chosen = pages if pages is not None else math.ceil(method.decode_tokens / method.page)
+    if held == 0 or (pages is None and held <= chosen):
+        return None
+    chosen = min(chosen, held)
+    bounds = torch.cat([s.bounds[layer].upper_bounds(query).amax(1) for s in segments], dim=1)  # [H, P]
+    top = bounds.topk(chosen, dim=1).indices  # [H, k]
+    heads, dim = store.heads, store.dim
+    r_v = store.basis["v"][layer].dequantize().view(-1, heads, dim)  # [r, H, D]
+    rotate = table.rotate if table is not None else None
+    parts: list[Any] = []
+    offset = 0
+    offsets = torch.arange(method.page, device=query.device)
+    for segment in segments:
+        count = segment.bounds[layer].pages
+        inside = (top >= offset) & (top < offset + count)
+        if bool(inside.any()):
+            local = torch.where(inside, top - offset, -1).sort(dim=1, descending=True).values
+            local = local[:, : int(inside.sum(1).max())]  # [H, c], -1 = nothing
+            rows = (local.clamp(min=0).unsqueeze(-1) * method.page + offsets).flatten(1)  # [H, c·page]
+            valid = (local >= 0).repeat_interleave(method.page, dim=1) & (rows < segment.slots.numel())
+            rows = torch.where(valid, rows, 0)
+            page_index = local.clamp(min=0)
+            coords_k = read_pages(segment.coords_k, page_index, method.page, rows)  # [H, T, w_k]
+            keys = rebuilt_keys(store, segment, layer, rows, rotate, coords_k)
+            coords_v = read_pages(segment.coords_v, page_index, method.page, rows)  # [H, T, w_v]
+            parts.append(
+                SelectedPart(keys, coords_v, r_v[: coords_v.shape[-1]], segment.slots[rows].long(), valid)
+            )
+        offset += count
+    if store.exact_slots is not None and store.exact_slots.numel():
+        parts.append(
+            DensePart(
+                store.exact_keys[layer].dequantize(),
+                store.exact_values[layer].dequantize(),
+                store.exact_slots.long(),
+            )
+        )
+    return parts
