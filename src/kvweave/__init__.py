@@ -29,12 +29,12 @@ __all__ = [
 ]
 
 _LAZY = {
-    "METHODS": "kvweave.cache",
+    "METHODS": "kvweave.registry",
     "KVCache": "kvweave.cache",
-    "Method": "kvweave.cache",
+    "Method": "kvweave.registry",
     "make_cache": "kvweave.cache",
-    "parse_method": "kvweave.cache",
-    "register": "kvweave.cache",
+    "parse_method": "kvweave.registry",
+    "register": "kvweave.registry",
     "prepare": "kvweave.attention",
     "restore": "kvweave.attention",
     "load_model": "kvweave.models",

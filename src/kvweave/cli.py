@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -274,9 +275,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     from kvweave.report import bench_csv_path, write_report
 
     runs = write_report(args.runs, args.output, markdown=args.md, csv=args.csv)
-    bench = sum(len(r.bench) for r in runs)
-    extra = f", {bench} bench rows" if bench else ""
-    print(f"report: {args.output} ({sum(len(r.rows) for r in runs)} rows{extra} from {len(runs)} run(s))")
+    rows, bench = sum(len(r.rows) for r in runs), sum(len(r.bench) for r in runs)
+    counts = ", ".join(
+        ([f"{rows} rows"] if rows or not bench else []) + ([f"{bench} bench rows"] if bench else [])
+    )
+    print(f"report: {args.output} ({counts} from {len(runs)} run(s))")
     if args.md:
         print(f"summary: {args.md}")
     if args.csv:
@@ -323,7 +326,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         warmup=args.warmup,
     )
-    emit = bench.write_rows(args.out) if args.out else (lambda row: None)
+    out = None
+    if args.out:  # a folder gets bench.jsonl and the command line beside it (the report prints it)
+        out = Path(args.out) if args.out.endswith(".jsonl") else Path(args.out) / "bench.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not args.out.endswith(".jsonl"):
+            with (out.parent / "command.txt").open("a") as handle:
+                handle.write(shlex.join(["kvweave", *sys.argv[1:]]) + "\n")
+    emit = bench.write_rows(out) if out else (lambda row: None)
     rows: list[dict[str, Any]] = []
 
     def show(row: dict[str, Any]) -> None:
@@ -335,8 +345,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench.run_bench(config, show, progress=lambda text: print(f"  [{text}]", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
-    if args.out:
-        print(f"rows: {args.out}")
+    if out:
+        print(f"rows: {out}")
     return 0
 
 
@@ -621,7 +631,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8, help="decode steps per round (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per method first (default 2)")
-    p.add_argument("--out", help="JSONL file rows are appended to as each point finishes")
+    p.add_argument(
+        "--out",
+        help="where rows are appended as each point finishes: a FILE.jsonl, or a folder (bench.jsonl + "
+        "command.txt, which `kvweave report FOLDER` reads)",
+    )
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     p.set_defaults(func=cmd_bench)
 

@@ -588,3 +588,28 @@ def test_saved_cache_continues_exactly(model, batch, tmp_path, spec, padded):
     assert torch.equal(got.sequences, expected.sequences)
     assert _logit_gap(got, expected) == 0
     assert [layer.layer_stats() for layer in loaded.layers] == [layer.layer_stats() for layer in cache.layers]
+
+
+# -- INT8 tiers (the default) and what a step reads
+
+
+def test_int8_default_is_close_to_16_bit_tiers_and_the_kernel_equals_the_reference(model, batch):
+    spec = "dkcache:core=4,steady=12,page=8,sinks=2,pages=100,decouple=false"
+    exact, _ = _run(model, batch, spec + ",bits=16")
+    int8, cache = _run(model, batch, spec)
+    torch_path, _ = _run(model, batch, spec + ",kernel=torch")
+    assert cache.layers[0].steady_tier.quantized and cache.layers[0].far.quantized
+    assert _logit_gap(int8, exact) < 0.05  # INT8 keys/values: close, not equal
+    assert _logit_gap(int8, torch_path) < 1e-4  # the C++ kernel (when built) computes the reference's attention
+    assert torch.equal(int8.sequences, torch_path.sequences)
+    held16 = kvweave.make_cache(spec + ",bits=16", model)
+    _generate(model, *batch, held16)
+    assert cache.nbytes() < held16.nbytes()
+
+
+def test_a_step_reads_less_than_the_cache_holds_when_far_pages_stay_out(model, batch):
+    _, cache = _run(model, batch, "dkcache:core=4,steady=12,page=4,pages=1,sinks=2")
+    layer = cache.layers[0]
+    assert layer.far is not None and layer.far.page_count() > 1
+    assert 0 < layer.read_bytes() < layer.nbytes()
+    assert cache.read_bytes() < cache.nbytes()

@@ -25,3 +25,10 @@ def test_update_readme_replaces_only_the_block():
     assert updated.startswith("intro\n<!-- methods:begin -->\n| method |")
     assert updated.endswith("<!-- methods:end -->\nrest\n")
     assert readme_section(updated) == methods_markdown()
+
+
+def test_every_public_name_resolves():
+    import kvweave
+
+    for name in kvweave.__all__:
+        assert getattr(kvweave, name) is not None, name

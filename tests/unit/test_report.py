@@ -711,3 +711,164 @@ def test_guide_beyond_the_trained_context_per_model_and_length() -> None:
         "compression 0.45x, decode 0.80x `full`." in guide
     )
     assert "No rows lie beyond" not in guide
+
+
+# ----------------------------------------------------------------------------------------- bench
+
+BENCH_ENV = {
+    "python": "3.11.7",
+    "torch": "2.13.0+cpu",
+    "transformers": "5.24.0",
+    "kvweave": "0.1.0",
+    "git": "abc1234",
+    "machine": "x86_64",
+    "processor": "",
+    "cpus": 16,
+    "threads": 16,
+    "cuda": True,
+    "gpu": "NVIDIA H200",
+    "device": "cuda",
+    "dtype": "bfloat16",
+}
+LONG_SPEC = "dkcache:attended=0.125,bits=8,page=32,sinks=8,core=256"
+
+
+def bench_row(method: str, context: int, batch: int = 1, **values: float) -> dict:
+    """A ``kvweave bench`` row (the fields of ``kvweave.eval.bench._rows``)."""
+    ms, speedup, bound, compression = (values[k] for k in ("ms", "speedup", "bound", "compression"))
+    full_16 = context * 24 * 1024
+    return {
+        "kind": "bench", "model": "random:llama-3.1-8b", "method": method, "context": context, "batch": batch,
+        "device": "cuda", "dtype": "bfloat16", "steps": 8, "rounds": 3, "ms_per_token": ms,
+        "tok_s": round(1000 * batch / ms, 3), "round_ms": [ms] * 3, "speedup": speedup, "bound": bound,
+        "of_bound": round(speedup / bound, 4), "prefill_s": 0.25, "overhead_s": 0.0 if method == "full" else 0.125,
+        "kv_bytes": int(full_16 / compression), "kv_read_bytes": int(full_16 / compression / 2),
+        "full_kv_bytes_16bit": full_16, "compression": compression, "weight_bytes": 16 * 2**30,
+        "bandwidth_gb_s": 3900.5, "step_bound_ms": 4.5, "peak_bytes": 20 * 2**30,
+        "peak_kind": "cuda allocator peak", "environment": BENCH_ENV,
+    }  # fmt: skip
+
+
+def fake_bench_rows() -> list[dict]:
+    """Two methods (one with a long spec), two context lengths, one batch size."""
+    return [
+        bench_row("full", 4096, ms=10.0, speedup=1.0, bound=1.0, compression=1.0),
+        bench_row(LONG_SPEC, 4096, ms=8.0, speedup=1.25, bound=1.6, compression=7.5),
+        bench_row("full", 16384, ms=20.0, speedup=1.0, bound=1.0, compression=1.0),
+        bench_row(LONG_SPEC, 16384, ms=12.5, speedup=1.6, bound=2.9, compression=7.9),
+    ]
+
+
+def write_bench(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"torn')
+    return path
+
+
+def test_bench_file_is_reported(tmp_path: Path) -> None:
+    bench = write_bench(tmp_path / "gpu" / "bench.jsonl", fake_bench_rows())
+    html_path, md_path = tmp_path / "r.html", tmp_path / "s.md"
+    runs = write_report([bench], html_path, markdown=md_path)
+    assert len(runs[0].bench) == 4 and not runs[0].rows and runs[0].name == "bench.jsonl"
+    html = html_path.read_text()
+    assert 'id="bench"' in html and "Decode speed (kvweave bench)" in html
+    assert html.count("<svg") == 2  # one batch size: tok/s vs context + speedup vs compression
+    assert "batch 1: decode tok/s vs context" in html and "batch 1: speedup vs compression" in html
+    assert "<polyline" in html  # two lengths: the tok/s lines are drawn
+    # each point's speedup (dot) and its bound (diamond; one more in the legend), with a tooltip
+    assert html.count("<polygon") == 4 + 1 and "bandwidth bound" in html
+    assert (
+        f"{LONG_SPEC}, 16384 tokens, batch 1: compression 7.90x, speedup 1.60x, bound 2.90x (55% of it)"
+        in html
+    )
+    assert 'id="overview"' not in html and 'id="frontier"' not in html  # no eval rows, no eval sections
+    for forbidden in ("<script", "https://", "<link", "@import"):
+        assert forbidden not in html
+    # the long spec is shortened in the legend (both ends kept), whole in its tooltip
+    assert f"<title>{LONG_SPEC}</title>" in html and ">dkcache:a\u20268,core=256</text>" in html
+    # the table: speedup beside its bound, achieved/bound, bytes held and read, the machine
+    assert "<td>1.25x</td><td>1.60x</td><td>78%</td>" in html
+    assert "<td>1.60x</td><td>2.90x</td><td>55%</td>" in html
+    assert "<td>12.5</td><td>80.0</td>" in html  # ms/token, tok/s
+    assert "gpu NVIDIA H200" in html and "threads 16" in html and "torch 2.13.0+cpu" in html
+    assert "git abc1234" in html and "measured copy bandwidth 3900.5 GB/s" in html
+    assert "Peak MiB: cuda allocator peak." in html
+    md = md_path.read_text()
+    assert "## Decode speed" in md and "### random:llama-3.1-8b, cuda bfloat16" in md
+    assert "| method | context | batch | ms/token | tok/s | speedup | bound | achieved/bound |" in md
+    assert (
+        f"| `{LONG_SPEC}` | 16384 | 1 | 12.5 | 80.0 | 1.60x | 2.90x | 55% | 48.61 | 24.30 | 0.25 | +0.12 |"
+        in md
+    )
+    assert (
+        "| `full` | 4096 | 1 | 10.0 | 100 | 1.00x | 1.00x | 100% | 96.00 | 48.00 | 0.25 | +0.00 | 20480 |"
+        in md
+    )
+    assert "the command is not recorded" in md
+    assert "- [Decode speed](#decode-speed): [random:llama-3.1-8b, cuda bfloat16](#" in md
+
+
+def test_bench_single_context_draws_points_not_lines(tmp_path: Path) -> None:
+    rows = [r for r in fake_bench_rows() if r["context"] == 4096]
+    bench = write_bench(tmp_path / "one.jsonl", rows)
+    (tmp_path / "command.txt").write_text(
+        "kvweave eval --model tiny --out x\nkvweave bench --shape llama-3.1-8b --context 4k --out one.jsonl\n"
+    )
+    html_path, md_path = tmp_path / "r.html", tmp_path / "s.md"
+    write_report([bench], html_path, markdown=md_path)
+    html = html_path.read_text()
+    assert html.count("<svg") == 2 and "<polyline" not in html
+    assert "one length measured (4096)" in html
+    assert "<td>1.25x</td><td>1.60x</td><td>78%</td>" in html
+    md = md_path.read_text()
+    # the bench command from the command.txt beside the file, without the eval line
+    assert "```sh\nkvweave bench --shape llama-3.1-8b --context 4k --out one.jsonl\n```" in md
+    assert "kvweave eval --model tiny" not in md
+
+
+def test_bench_folder_beside_eval_rows(run_dir: Path, tmp_path: Path) -> None:
+    rows = fake_bench_rows()
+    rows.append(bench_row("full", 4096, batch=4, ms=12.0, speedup=1.0, bound=1.0, compression=1.0))
+    rows.append(bench_row("full", 4096, ms=11.0, speedup=1.0, bound=1.0, compression=1.0))  # a rerun
+    write_bench(run_dir / "bench.jsonl", rows)
+    run = load_run(run_dir)
+    assert len(run.rows) == 36 and len(run.bench) == 6
+    csv_path = tmp_path / "cells.csv"
+    write_report([run_dir], tmp_path / "r.html", markdown=tmp_path / "s.md", csv=csv_path)
+    html = (tmp_path / "r.html").read_text()
+    assert html.count("<svg") == 2 * 3 + 2 + 2 + 2 * 2  # the eval charts, then two per batch size
+    assert "batch 4: speedup vs compression" in html
+    section = html.split('id="bench"', 1)[1].split('id="runs"', 1)[0]
+    assert "<td>11.0</td>" in section and "<td>10.0</td>" not in section  # a point's latest measurement
+    assert "1 point was measured more than once" in html
+    import csv
+
+    assert tuple(next(csv.DictReader(csv_path.open(newline="")))) == data.CSV_COLUMNS  # cells CSV as before
+    bench_lines = list(csv.DictReader((tmp_path / "cells-bench.csv").open(newline="")))
+    assert tuple(bench_lines[0]) == data.BENCH_CSV_COLUMNS and len(bench_lines) == 6
+    assert bench_lines[0]["gpu"] == "NVIDIA H200" and bench_lines[0]["run"] == "demo-tiny"
+
+
+def test_bench_bad_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.html"
+    other = tmp_path / "notes.jsonl"
+    other.write_text('{"kind": "something else"}\n')
+    assert main(["report", str(other), "-o", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and str(other) in error and 'no rows with kind "bench"' in error
+    rows_file = write_run(tmp_path / "eval", fake_rows()) / "rows.jsonl"
+    with pytest.raises(FileNotFoundError, match="give their folder"):
+        load_run(rows_file)
+    with pytest.raises(FileNotFoundError, match="bench.jsonl"):
+        load_run(tmp_path / "missing")
+    assert main(["report", str(tmp_path / "missing"), "-o", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err and not out.exists()
+
+
+def test_cli_report_bench_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = write_bench(tmp_path / "bench.jsonl", fake_bench_rows())
+    out, cells = tmp_path / "r.html", tmp_path / "cells.csv"
+    assert main(["report", str(bench), "-o", str(out), "--csv", str(cells)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 bench rows" in printed and str(tmp_path / "cells-bench.csv") in printed
+    assert (tmp_path / "cells-bench.csv").is_file()

@@ -7,7 +7,8 @@ background load hits every method alike. Each row reports:
 
 - ``ms_per_token``: the median over rounds of the round's mean step time; ``tok_s`` = batch / step time;
 - ``speedup``: ``full``'s step time / this method's, measured in the same run;
-- ``prefill_s`` and ``overhead_s`` (prefill minus ``full``'s prefill: what compressing costs);
+- ``prefill_s`` and ``overhead_s`` (prefill minus ``full``'s prefill: what compressing costs), after an
+  untimed 256-token prefill of every method (kernel builds, allocator warm-up);
 - ``kv_bytes`` (tensors held, ``cache.nbytes()``), ``kv_read_bytes`` (what one decode step reads from the
   cache, ``cache.read_bytes()``: fewer than held where a method attends to part of what it holds);
 - ``weight_bytes``, ``bandwidth_gb_s`` (this machine's measured copy bandwidth) and the **bound**
@@ -252,6 +253,8 @@ def run_bench(
             for batch in config.batches:
                 progress(f"context {context}, batch {batch}: prefill {len(specs)} methods")
                 ids = prompt(tokenizer, vocab, context, batch, config.device)
+                for spec in specs:  # untimed: the first forward of each method pays one-off costs
+                    _prefill(model, spec, ids[:, : min(context, 256)], config.device)
                 trials = [_prefill(model, spec, ids, config.device) for spec in specs]
                 for trial in trials:  # warm-up steps, not timed
                     _decode(model, trial, config.warmup, config.device)

@@ -11,8 +11,13 @@ import warnings
 from typing import Any
 
 
-def build(name: str, declarations: str, source: str, functions: list[str]) -> tuple[Any | None, str | None]:
-    """``(module, None)`` or ``(None, reason)`` for the C++ ``source`` exporting ``functions``."""
+def build(
+    name: str, declarations: str, source: str, functions: list[str], openmp: bool = True
+) -> tuple[Any | None, str | None]:
+    """``(module, None)`` or ``(None, reason)`` for the C++ ``source`` exporting ``functions``.
+
+    ``openmp=False``: the source parallelises with ``at::parallel_for`` (torch's own thread pool) and uses
+    OpenMP only for ``simd`` pragmas, so no second OpenMP runtime competes with torch's threads."""
     if os.environ.get("KVWEAVE_NO_CPP", "") not in ("", "0"):
         return None, "disabled by KVWEAVE_NO_CPP"
     try:
@@ -22,8 +27,8 @@ def build(name: str, declarations: str, source: str, functions: list[str]) -> tu
             name=name,
             cpp_sources=[declarations, source.replace("#include <torch/extension.h>", "")],
             functions=functions,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp" if openmp else "-fopenmp-simd"],
+            extra_ldflags=["-fopenmp"] if openmp else [],
             verbose=False,
         )
         return module, None

@@ -18,10 +18,11 @@ import torch
 
 from kvweave.kernels._build import build
 
-_NAME = "kvweave_cpu_int8_v1"
+_NAME = "kvweave_cpu_int8_v2"
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
 #include <vector>
 
@@ -41,9 +42,10 @@ torch::Tensor int8_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sc
   const int64_t c0 = codes.stride(0), c1 = codes.stride(1), c2 = codes.stride(2);
   const int64_t s0 = scale.stride(0), s1 = scale.stride(1), s2 = scale.stride(2);
   const int64_t CHUNK = 512, chunks = (T + CHUNK - 1) / CHUNK;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    for (int64_t c = 0; c < chunks; ++c) {
+  at::parallel_for(0, (B * H) * (chunks), 1, [&](int64_t first, int64_t last) {
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t bh = item / (chunks), c = item % (chunks);
+    {
       const int64_t b = bh / H, h = bh % H;
       const int8_t* base = cp + b * c0 + h * c1;
       const float* sbase = sp + b * s0 + h * s1;
@@ -65,6 +67,7 @@ torch::Tensor int8_logits(torch::Tensor q, torch::Tensor codes, torch::Tensor sc
       }
     }
   }
+  });
   return out;
 }
 
@@ -83,9 +86,10 @@ torch::Tensor int8_values(torch::Tensor w, torch::Tensor codes, torch::Tensor sc
   float* pp = partial.data_ptr<float>();
   const int64_t c0 = codes.stride(0), c1 = codes.stride(1), c2 = codes.stride(2);
   const int64_t s0 = scale.stride(0), s1 = scale.stride(1), s2 = scale.stride(2);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    for (int64_t c = 0; c < chunks; ++c) {
+  at::parallel_for(0, (B * H) * (chunks), 1, [&](int64_t first, int64_t last) {
+  for (int64_t item = first; item < last; ++item) {
+    const int64_t bh = item / (chunks), c = item % (chunks);
+    {
       const int64_t b = bh / H, h = bh % H;
       const int8_t* base = cp + b * c0 + h * c1;
       const float* sbase = sp + b * s0 + h * s1;
@@ -106,6 +110,7 @@ torch::Tensor int8_values(torch::Tensor w, torch::Tensor codes, torch::Tensor sc
       }
     }
   }
+  });
   return chunks == 1 ? partial[0] : partial.sum(0);
 }
 """
@@ -122,7 +127,7 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values"])
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values"], openmp=False)
     return module
 
 

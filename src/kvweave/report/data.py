@@ -112,7 +112,7 @@ def load_bench_file(path: Path) -> Run:
         if any(_is_result(r) or "nll" in r for r in found):
             hint = f" (it holds `kvweave eval`/`kvweave ppl` rows: give their folder {path.parent})"
         raise FileNotFoundError(
-            f"{path} is not a bench file: it has no rows with kind \"bench\"{hint}; expected {_EXPECTED}"
+            f'{path} is not a bench file: it has no rows with kind "bench"{hint}; expected {_EXPECTED}'
         )
     for row in bench:
         if isinstance(row.get("method"), str):
@@ -495,7 +495,14 @@ def latest_bench(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def bench_sorted(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows by context, batch, then method (``full`` first); file order among repeats."""
     indexed = list(enumerate(rows))
-    indexed.sort(key=lambda item: (int(item[1]["context"]), int(item[1]["batch"]), method_order(item[1]["method"]), item[0]))
+    indexed.sort(
+        key=lambda item: (
+            int(item[1]["context"]),
+            int(item[1]["batch"]),
+            method_order(item[1]["method"]),
+            item[0],
+        )
+    )
     return [row for _, row in indexed]
 
 

@@ -175,7 +175,7 @@ def bench_markdown(runs: list[Run]) -> str:
                 "`command.txt` beside the file is shown here).",
                 "",
             ]
-        parts += [f"Machine: {line}." for line in page.bench_hardware(shown)]
+        parts += [f"Measured on: {line}." for line in page.bench_hardware(shown)]
         parts += ["", _table(BENCH_HEADER, [bench_cells(r) for r in shown], ["l"] + ["r"] * 12), ""]
         notes = page.bench_notes(group.rows, shown)
         if notes:
@@ -222,7 +222,9 @@ def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
     if run.ppl:
         parts.append(perplexity_markdown(data.perplexity_summary([run])))
     if run.bench:
-        parts += ["", f"{len(run.bench)} bench rows: see [Decode speed](#decode-speed)."]
+        if parts[-1]:
+            parts.append("")
+        parts.append(f"{len(run.bench)} bench rows: see [Decode speed](#decode-speed).")
     return "\n".join(parts).rstrip()
 
 

@@ -394,7 +394,7 @@ def bench_speed_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, 
         series,
         title=f"batch {batch}: decode tok/s vs context",
         x_label=x_label,
-        y_label="decode tokens / s (all rows of the batch)",
+        y_label="decode tokens / s (whole batch)",
         x_log=True,
         y_low=0.0,
         connect=len(contexts) > 1,
@@ -420,8 +420,15 @@ def bench_gap_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, st
                 f"{r['speedup']:.2f}x, bound {r['bound']:.2f}x"
                 + (f" ({100 * of_bound:.0f}% of it)" if of_bound is not None else "")
             )
-            label = svg.format_number(int(r["context"])) if several else ""
-            points.append(svg.GapPoint(float(r["compression"]), float(r["speedup"]), float(r["bound"]), label, tip))
+            # full is 1x against itself at every length: its labels would only pile up
+            label = (
+                svg.format_number(int(r["context"]))
+                if several and method not in data.REFERENCE_METHODS
+                else ""
+            )
+            points.append(
+                svg.GapPoint(float(r["compression"]), float(r["speedup"]), float(r["bound"]), label, tip)
+            )
         series.append(svg.GapSeries(method, points, color=colors[method]))
     return svg.gap_chart(
         series,
@@ -438,17 +445,12 @@ def bench_table(rows: list[dict[str, Any]]) -> str:
     """One line per bench point: speed, speedup beside its bound, KV bytes held and read, prefill, peak."""
     from kvweave.report.markdown import BENCH_HEADER, bench_cells
 
-    head = "".join(f'<th class="{"name" if c == "method" else ""}">{escape(c)}</th>' for c in BENCH_HEADER)
+    head = '<th class="name">method</th>' + "".join(f"<th>{escape(c)}</th>" for c in BENCH_HEADER[1:])
     body = []
     for row in rows:
-        cells = [cell.strip("`") for cell in bench_cells(row)]
-        body.append(
-            "<tr>"
-            + "".join(
-                f'<td class="{"name" if i == 0 else ""}">{escape(cell)}</td>' for i, cell in enumerate(cells)
-            )
-            + "</tr>"
-        )
+        method, *numbers = (cell.strip("`") for cell in bench_cells(row))
+        cells = f'<td class="name">{escape(method)}</td>' + "".join(f"<td>{escape(c)}</td>" for c in numbers)
+        body.append(f"<tr>{cells}</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
@@ -471,7 +473,10 @@ def bench_section(runs: list[Run]) -> str:
         return ""
     colors = bench_colors([r for run in runs for r in run.bench])
     several_runs = len({id(g.run) for g in groups}) > 1
-    parts = ['<section id="bench"><h2>Decode speed (kvweave bench)</h2>', f'<p class="note">{BENCH_INTRO}</p>']
+    parts = [
+        '<section id="bench"><h2>Decode speed (kvweave bench)</h2>',
+        f'<p class="note">{BENCH_INTRO}</p>',
+    ]
     for group in groups:
         shown = data.latest_bench(group.rows)
         heading = group.title + (f" ({group.run.name})" if several_runs else "")
@@ -495,8 +500,7 @@ def runs_section(runs: list[Run], summaries: list[list[dict[str, Any]]]) -> str:
     parts = ['<section id="runs"><h2>Runs</h2>']
     for run, summary in zip(runs, summaries, strict=True):
         parts.append(
-            f"<h3>{escape(run.name)} <small>({run.count} rows, {escape(str(run.path))})"
-            "</small></h3>"
+            f"<h3>{escape(run.name)} <small>({run.count} rows, {escape(str(run.path))})</small></h3>"
         )
         if run.command or run.bench_command:
             parts.append(f"<pre>{escape(run.command or run.bench_command)}</pre>")

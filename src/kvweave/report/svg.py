@@ -154,9 +154,21 @@ def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
-def _label(x: float, y: float, text: str, limit: int, size: int = 11, **attrs: str) -> str:
-    """A text shortened to ``limit`` characters; when shortened, the whole text is its tooltip."""
-    short = _shorten(text, limit)
+def _shorten_middle(text: str, limit: int) -> str:
+    """``text`` cut in the middle to ``limit`` characters, so that both ends stay: method specs of one family
+    differ in their options, at the end."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (limit - 1 - head) :]
+
+
+def _label(
+    x: float, y: float, text: str, limit: int, size: int = 11, middle: bool = False, **attrs: str
+) -> str:
+    """A text shortened to ``limit`` characters (at its end, or in its ``middle``); when shortened, the whole
+    text is its tooltip."""
+    short = _shorten_middle(text, limit) if middle else _shorten(text, limit)
     if short == text:
         return _text(x, y, text, size=size, **attrs)
     return f"<g><title>{escape(text)}</title>{_text(x, y, short, size=size, **attrs)}</g>"
@@ -203,7 +215,7 @@ def _legend_line(right: float, index: int, top: float, name: str, color: str, da
     return [
         f'<line x1="{right + 14}" y1="{legend_y}" x2="{right + 32}" y2="{legend_y}" stroke="{color}" '
         f'stroke-width="3"{dash}/>',
-        _label(right + 38, legend_y + 4, name, 22),
+        _label(right + 38, legend_y + 4, name, 20, middle=True),
     ]
 
 
@@ -316,6 +328,7 @@ def gap_chart(
         out.append(
             f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#555" stroke-dasharray="5,4"/>'
         )
+    placed: list[tuple[float, float, float, float]] = []  # label boxes drawn so far
     for index, s in enumerate(series):
         color = s.color or PALETTE[index % len(PALETTE)]
         for p in sorted(s.points, key=lambda p: (p.x, p.y)):
@@ -332,16 +345,43 @@ def gap_chart(
             out.append(_diamond(px, pb, color))
             out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4.5" fill="{color}" stroke="#fff"/>')
             out.append("</g>")
-            if p.label:
-                out.append(_label(px + 7, py + 3, p.label, 12, size=9, fill="#333"))
+            label = _place_label(px, py, _shorten(p.label, 12), placed, (left, top, right, bottom))
+            if label:
+                out.append(label)
         out += _legend_line(right, index, top, s.name, color)
     key_y = top + 6 + LEGEND_ROW * len(series)
     out.append(f'<circle cx="{right + 23}" cy="{key_y:.1f}" r="4.5" fill="#555"/>')
-    out.append(_label(right + 38, key_y + 4, measured_name, 22))
+    out.append(_label(right + 38, key_y + 4, measured_name, 20))
     out.append(_diamond(right + 23, key_y + LEGEND_ROW, "#555"))
-    out.append(_label(right + 38, key_y + LEGEND_ROW + 4, bound_name, 22))
+    out.append(_label(right + 38, key_y + LEGEND_ROW + 4, bound_name, 20))
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _place_label(
+    x: float,
+    y: float,
+    text: str,
+    placed: list[tuple[float, float, float, float]],
+    frame: tuple[float, float, float, float],
+    size: int = 9,
+) -> str:
+    """A small label right or left of the point ``(x, y)``, where it overlaps no label placed before it and
+    stays inside ``frame``; nothing when neither side is free (the point's tooltip still says it)."""
+    if not text:
+        return ""
+    width, height = 0.58 * size * len(text), size + 1.0
+    left, top, right, bottom = frame
+    for x0, anchor in ((x + 7, "start"), (x - 7 - width, "end")):
+        box = (x0, y + 3 - size, x0 + width, y + 3 - size + height)
+        inside = box[0] >= left and box[2] <= right and box[1] >= top and box[3] <= bottom
+        if inside and not any(
+            box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed
+        ):
+            placed.append(box)
+            tx = x + 7 if anchor == "start" else x - 7
+            return _text(tx, y + 3, text, size=size, anchor=anchor, fill="#333")
+    return ""
 
 
 def _diamond(x: float, y: float, color: str, size: float = 5.0) -> str:

@@ -186,6 +186,11 @@ class DepthWeave(Method):
         "(page summaries kept per layer, counted in the budget); 0: every token, exactly, no summaries",
     )
     page: int = option(64, "tokens per page summary (decode_tokens > 0)")
+    kernel: str = option(
+        "auto",
+        "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), torch (gather, dequantize, "
+        "matmul: the reference) or auto (cpp on CPU when it builds)",
+    )
     drift: float = option(1.5, "probe error / reference ratio that refreshes the basis while decoding")
     weighting: float = option(1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
     storage: str = option(
@@ -230,6 +235,7 @@ class DepthWeave(Method):
         ({"block": 0}, "block"),
         ({"decode_tokens": -1}, "decode_tokens"),
         ({"page": 0}, "page"),
+        ({"kernel": "cuda"}, "kernel"),
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
     )
@@ -246,6 +252,7 @@ class DepthWeave(Method):
         self.check_range("rank", 1)
         self.check_range("decode_tokens", 0)
         self.check_range("page", 1)
+        self.check_choice("kernel", ["auto", "cpp", "torch"])
         self.check_range("probe", 1)
         self.check_range("window", 1)
         self.check_range("sinks", 0)

@@ -50,6 +50,57 @@ class SelectedPart:
         return weights @ self.r_v.permute(1, 0, 2)  # [H, w, D]
 
 
+class FusedSelectedPart:
+    """The chosen rows of one segment, scored and weighted by the fused C++ kernel
+    (:mod:`kvweave.kernels.cpu_factor`) straight from the packed coordinates: nothing per token is materialised.
+    Same interface (and, to float rounding, the same results) as :class:`SelectedPart`."""
+
+    def __init__(
+        self,
+        segment: Segment,
+        r_k: torch.Tensor,
+        r_v: torch.Tensor,
+        rows: torch.Tensor,
+        valid: torch.Tensor,
+        table: RopeTable | None,
+    ) -> None:
+        self.segment, self.r_k, self.r_v, self.rows, self.valid = segment, r_k, r_v, rows, valid
+        self.table = table
+        self.slots = segment.slots[rows].long()
+
+    def logits(self, query: torch.Tensor) -> torch.Tensor:
+        from kvweave.kernels import cpu_factor
+
+        cos = sin = None
+        if self.segment.positions is not None and self.table is not None:
+            cos, sin = self.table.tables[query.device]
+        positions = self.segment.positions if cos is not None else None
+        return cpu_factor.factor_logits(
+            query, self.segment.coords_k, self.r_k, self.rows, positions, cos, sin
+        )
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        from kvweave.kernels import cpu_factor
+
+        weights = cpu_factor.factor_weighted(probs, self.segment.coords_v, self.rows)  # [H, M, w_v]
+        return weights[..., : self.r_v.shape[0]] @ self.r_v.permute(1, 0, 2)
+
+
+def fused_available(method: Any, segment: Segment) -> bool:
+    """Whether the fused kernel reads this segment (``kernel`` option, CPU tensors, INT4 / INT8 coordinates)."""
+    if method.kernel == "torch":
+        return False
+    from kvweave.kernels import cpu_factor
+
+    readable = cpu_factor.supports(segment.coords_k) and cpu_factor.supports(segment.coords_v)
+    if method.kernel == "cpp" and (not readable or cpu_factor.load() is None):
+        raise RuntimeError(
+            "depthweave: kernel=cpp, but the fused C++ kernel cannot read this store "
+            f"({cpu_factor.unavailable_reason() or 'coordinates not INT4/INT8 on the CPU'}); use kernel=auto"
+        )
+    return readable and cpu_factor.load() is not None
+
+
 def rebuilt_keys(
     store: RowStore,
     segment: Segment,
@@ -139,6 +190,13 @@ def selected_parts(
             rows = (local.clamp(min=0).unsqueeze(-1) * method.page + offsets).flatten(1)  # [H, c·page]
             valid = (local >= 0).repeat_interleave(method.page, dim=1) & (rows < segment.slots.numel())
             rows = torch.where(valid, rows, 0)
+            if fused_available(method, segment):
+                width_k = segment.coords_k.width
+                r_k = store.basis["k"][layer].dequantize()[:width_k].view(width_k, heads, dim)
+                r_v_part = r_v[: segment.coords_v.width]
+                parts.append(FusedSelectedPart(segment, r_k, r_v_part, rows, valid, table))
+                offset += count
+                continue
             page_index = local.clamp(min=0)
             coords_k = read_pages(segment.coords_k, page_index, method.page, rows)  # [H, T, w_k]
             keys = rebuilt_keys(store, segment, layer, rows, rotate, coords_k)
