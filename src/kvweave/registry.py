@@ -67,6 +67,9 @@ class Method:
     # Options renamed since results were first written: old name -> new name. parse_method and the report
     # read old specs through this one table (canonical_spec).
     renamed_options: ClassVar[dict[str, str]] = {}
+    # Option values rows written before SPEC_VERSION used when they did not set them (defaults changed since,
+    # or options added since with the old behaviour as another value).
+    legacy_defaults: ClassVar[dict[str, Any]] = {}
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
         """The cache layer object for decoder layer ``layer_idx`` (full-attention layers only)."""
@@ -146,20 +149,44 @@ BUDGET_KINDS = {
 """The kinds of budget a method option can set (``Method.budget_options``)."""
 
 
-def canonical_spec(spec: str) -> str:
-    """``spec`` with renamed options under their current names (``dkcache:ratio=0.25`` ->
-    ``dkcache:attended=0.25``); specs of unknown methods (e.g. kvpress rows) are returned unchanged."""
+SPEC_VERSION = 2
+"""Written into every result row (``spec_version``): rows without it predate the current option names and
+defaults, and :func:`canonical_spec` reads them with ``Method.legacy_defaults``."""
+
+
+def canonical_spec(spec: str, options: dict[str, Any] | None = None, legacy: bool = False) -> str:
+    """The spec a stored result row means today.
+
+    Renamed options go under their current names (``dkcache:ratio=0.25`` -> ``dkcache:attended=0.25``). With
+    ``options`` (the row's recorded option values) the spec is rebuilt from them; with ``legacy`` (a row written
+    before :data:`SPEC_VERSION`) options the row does not set take the values they had then
+    (``Method.legacy_defaults``), so a changed default never relabels an old figure. Specs of unknown methods
+    (e.g. kvpress rows) are returned unchanged."""
     import kvweave.methods  # noqa: F401  (registers the built-in methods)
 
-    name, sep, rest = spec.partition(":")
+    name, _, rest = spec.partition(":")
     cls = METHODS.get(name)
-    if cls is None or not sep or not cls.renamed_options:
+    if cls is None:
         return spec
-    items = []
-    for item in rest.split(","):
-        key, eq, value = item.partition("=")
-        items.append(cls.renamed_options.get(key.strip(), key.strip()) + eq + value if eq else item)
-    return name + ":" + ",".join(items)
+    items = [p.strip() for p in rest.split(",") if p.strip()]
+    if any("=" not in item for item in items):
+        return spec
+    pairs = [
+        (cls.renamed_options.get(k.strip(), k.strip()), v.strip())
+        for k, _, v in (i.partition("=") for i in items)
+    ]
+    if not options and not legacy:  # a current spec: only renames, the text otherwise as written
+        return name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {cls.renamed_options.get(k, k): v for k, v in (options or {}).items()}
+    values.update({k: _convert(cls, k, v) for k, v in pairs if k in fields})
+    if legacy:
+        for key, value in cls.legacy_defaults.items():
+            values.setdefault(key, value)
+    try:
+        return cls(**{k: v for k, v in values.items() if k in fields}).spec()
+    except (TypeError, ValueError):
+        return spec
 
 
 def _type_name(hint: Any) -> str:

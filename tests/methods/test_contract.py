@@ -263,3 +263,22 @@ def test_renamed_options_read_under_their_current_names():
         fields = {f for f in cls.__dataclass_fields__}
         assert set(cls.budget_options) <= fields, f"{name}: budget_options names options it lacks"
         assert not set(cls.renamed_options) & fields, f"{name}: a renamed option still exists"
+
+
+def test_old_rows_keep_their_meaning_when_defaults_change():
+    """A row written before the current defaults reads as what it measured (legacy defaults made explicit)."""
+    from kvweave.registry import canonical_spec
+
+    assert (
+        canonical_spec("dkcache:ratio=0.125", legacy=True) == "dkcache:attended=0.125,decouple=True,bits=16"
+    )
+    assert canonical_spec("depthweave", legacy=True) == "depthweave:decode_tokens=0"
+    assert canonical_spec("depthweave") == "depthweave"
+    recorded = parse_method("dkcache:attended=0.25").options()
+    assert canonical_spec("dkcache:attended=0.25", recorded) == "dkcache:attended=0.25"
+    old = {**recorded, "bits": 16, "decouple": True}
+    old["ratio"] = old.pop("attended")
+    assert (
+        canonical_spec("dkcache:ratio=0.25", old, legacy=True)
+        == "dkcache:attended=0.25,decouple=True,bits=16"
+    )

@@ -357,7 +357,9 @@ def test_selecting_every_page_equals_exact_attention_over_the_store(model):
 def test_selective_decode_generates_and_counts_its_summaries(model):
     ids = _ids(96, seed=4)
     cache = kvweave.make_cache("depthweave", model, **{**SMALL, "decode_tokens": 8, "page": 4})
-    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache})
+    out = model.generate(
+        ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache}
+    )
     assert out.shape[1] == 96 + 12
     parts = cache.stats()["layers"][0]["bytes_by_part"]
     assert parts["page_bounds"] > 0
@@ -376,3 +378,10 @@ def test_reading_whole_groups_equals_reading_their_rows(bits):
     rows = (groups.unsqueeze(-1) * 64 + torch.arange(64)).clamp(max=149).flatten(1)
     torch.testing.assert_close(packed.gather_groups(groups), packed.gather_rows(rows))
     torch.testing.assert_close(packed.gather_rows(rows[0]), packed.dequantize()[rows[0]])
+
+
+def test_selective_decode_reads_fewer_coordinates_than_attending_everything(model):
+    cache = _prefill(model, _ids(96, seed=3), decode_tokens=8, page=4)
+    chosen = cache.read_bytes()
+    cache.method.decode_tokens = 10_000  # the same store, every token attended
+    assert chosen < cache.read_bytes()

@@ -27,7 +27,7 @@ from kvweave.ops.attention import fused_part_attention, merge_parts
 from kvweave.ops.quantize import dequantize_int8, quantize_int8
 from kvweave.registry import parse_method
 
-SMALL = "dkcache:core=4,steady=12,page=8,sinks=2,bits=16"  # exact tiers: the mechanism tests compare with full
+SMALL = "dkcache:core=4,steady=12,page=8,sinks=2,bits=16,decouple=true"  # exact tiers, the seed's decoupling
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_offload_on_cpu_changes_nothing(model, batch):
 
 
 def test_ratio_sets_bounds_from_the_prompt(model):
-    cache = kvweave.make_cache("dkcache:attended=0.5,sinks=2,bits=16,page=4", model)
+    cache = kvweave.make_cache("dkcache:attended=0.5,sinks=2,bits=16,decouple=true,page=4", model)
     with torch.no_grad():
         model(torch.randint(3, 150, (1, 40)), **{cache_kwarg(model): cache})
     stats = cache.stats()["layers"][0]
@@ -369,9 +369,11 @@ def test_shared_prefill_only_inside_the_trained_range(model):
 
     torch.manual_seed(0)
     ids = torch.randint(3, 150, (1, 40))
-    inside = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,bits=16,trained_length=64")
-    beyond = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,bits=16,trained_length=32")
-    plain = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,bits=16,trained_length=32,rope_compensation=false")
+    inside = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,bits=16,decouple=true,trained_length=64")
+    beyond = parse_method("dkcache:core=4,steady=12,page=8,sinks=2,bits=16,decouple=true,trained_length=32")
+    plain = parse_method(
+        "dkcache:core=4,steady=12,page=8,sinks=2,bits=16,decouple=true,trained_length=32,rope_compensation=false"
+    )
     assert inside.replays_prefill(model.config, 40)
     assert not beyond.replays_prefill(model.config, 40)
     assert plain.replays_prefill(model.config, 40)
@@ -402,7 +404,7 @@ def test_fast_compensated_prefill_equals_reference(model, n, chunk):
     reference, beyond the trained range, for chunkings that do and do not align with it."""
     torch.manual_seed(3)
     ids = torch.randint(3, 150, (1, n))
-    spec = f"dkcache:core=4,steady=12,page=4,pages=100,sinks=2,bits=16,trained_length=16,flash_chunk={chunk}"
+    spec = f"dkcache:core=4,steady=12,page=4,pages=100,sinks=2,bits=16,decouple=true,trained_length=16,flash_chunk={chunk}"
     outs = {}
     for fast in (False, True):
         cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
@@ -469,7 +471,7 @@ def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_rang
     compensation starts, and decoding matches a cache that held them pre-RoPE throughout."""
     torch.manual_seed(1)
     ids = torch.randint(3, 150, (1, 40))
-    spec = "dkcache:core=4,steady=12,page=4,pages=3,sinks=2,bits=16,trained_length=44"
+    spec = "dkcache:core=4,steady=12,page=4,pages=3,sinks=2,bits=16,decouple=true,trained_length=44"
     outs, caches = [], []
     for hold in (True, False):
         cache = kvweave.make_cache(spec + f",hold_rotated={hold}", model)
@@ -499,8 +501,9 @@ def test_fast_compensated_decode_equals_general_path(model, options):
     torch.manual_seed(2)
     inside = "hold=inside" in options
     ids = torch.randint(3, 150, (1, 20 if inside else 40))
-    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16,trained_length=24" + options.replace(
-        ",hold=inside", ""
+    spec = (
+        "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16,decouple=true,trained_length=24"
+        + options.replace(",hold=inside", "")
     )
     outs, caches = [], []
     for fast in (True, False):
@@ -524,7 +527,7 @@ def test_fast_compensated_decode_equals_general_path(model, options):
 def test_compensated_padded_batch_takes_the_general_path(model, batch):
     """Left padding (positions are not slots): the general path, and the same result with the fast path on."""
     ids, mask = batch
-    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16,trained_length=24"
+    spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16,decouple=true,trained_length=24"
     outs = []
     for fast in (True, False):
         cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
@@ -540,7 +543,9 @@ def test_page_summaries_are_min_max_of_each_pages_real_keys(model, batch, padded
     per-channel min / max of the real keys it holds, as attention sees them (post-RoPE here)."""
     ids, mask = batch if padded else (batch[0][:1], batch[1][:1])
     for new_tokens in (1, 4, 7):  # the prefill alone, then pages filled token by token
-        cache = kvweave.make_cache("dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16", model)
+        cache = kvweave.make_cache(
+            "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16,decouple=true", model
+        )
         _generate(model, ids, mask, cache, new_tokens=new_tokens)
         layer = cache.layers[0]
         layer._refresh_summaries(torch.float32)
@@ -600,7 +605,9 @@ def test_int8_default_is_close_to_16_bit_tiers_and_the_kernel_equals_the_referen
     torch_path, _ = _run(model, batch, spec + ",kernel=torch")
     assert cache.layers[0].steady_tier.quantized and cache.layers[0].far.quantized
     assert _logit_gap(int8, exact) < 0.05  # INT8 keys/values: close, not equal
-    assert _logit_gap(int8, torch_path) < 1e-4  # the C++ kernel (when built) computes the reference's attention
+    assert (
+        _logit_gap(int8, torch_path) < 1e-4
+    )  # the C++ kernel (when built) computes the reference's attention
     assert torch.equal(int8.sequences, torch_path.sequences)
     held16 = kvweave.make_cache(spec + ",bits=16", model)
     _generate(model, *batch, held16)

@@ -12,10 +12,13 @@ from kvweave._compat import cache_kwarg
 from kvweave.kernels import cpu_factor
 
 needs_kernel = pytest.mark.skipif(
-    cpu_factor.load() is None, reason=f"C++ factor kernel not buildable here: {cpu_factor.unavailable_reason()}"
+    cpu_factor.load() is None,
+    reason=f"C++ factor kernel not buildable here: {cpu_factor.unavailable_reason()}",
 )
 
-OPTIONS = dict(recent=8, block=8, probe=8, window=8, sinks=2, group=2, compression=3.0, decode_tokens=8, page=4)
+OPTIONS = dict(
+    recent=8, block=8, probe=8, window=8, sinks=2, group=2, compression=3.0, decode_tokens=8, page=4
+)
 
 
 def _generate(model, ids, **options):

@@ -14,7 +14,9 @@ needs_kernel = pytest.mark.skipif(
 
 
 @needs_kernel
-@pytest.mark.parametrize("b,h,r,t,d", [(1, 2, 7, 1500, 64), (2, 3, 1, 5, 16), (1, 1, 3, 1025, 128), (2, 2, 2, 0, 8)])
+@pytest.mark.parametrize(
+    "b,h,r,t,d", [(1, 2, 7, 1500, 64), (2, 3, 1, 5, 16), (1, 1, 3, 1025, 128), (2, 2, 2, 0, 8)]
+)
 def test_kernel_equals_reference(b, h, r, t, d):
     torch.manual_seed(0)
     codes, scale = quantize_int8(torch.randn(b, h, t + 7, d))
@@ -22,7 +24,9 @@ def test_kernel_equals_reference(b, h, r, t, d):
     rows = cpu_int8.Int8Rows(codes, scale)
     assert rows.kernel_used == "cpp"
     query = torch.randn(b, h, r, d)
-    torch.testing.assert_close(rows.logits(query), cpu_int8.logits_reference(query, codes, scale), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        rows.logits(query), cpu_int8.logits_reference(query, codes, scale), rtol=1e-4, atol=1e-4
+    )
     weights = torch.rand(b, h, r, t)
     torch.testing.assert_close(
         rows.weighted(weights), cpu_int8.values_reference(weights, codes, scale), rtol=1e-4, atol=1e-4

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from kvweave.registry import SPEC_VERSION
+
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
         model_type="qwen2",
@@ -292,6 +294,7 @@ def _rows(
         rows.append(
             {
                 "kind": "bench",
+                "spec_version": SPEC_VERSION,
                 "model": config.label,
                 "method": trial.spec,
                 "context": context,

@@ -21,7 +21,7 @@ import torch
 from kvweave._compat import cache_kwarg
 from kvweave.cache import make_cache
 from kvweave.eval import tasks as task_lib
-from kvweave.registry import parse_method
+from kvweave.registry import SPEC_VERSION, parse_method
 
 
 def window_nll(
@@ -100,6 +100,7 @@ def run_perplexity(
         row = {
             "model": model_name,
             "method": spec,
+            "spec_version": SPEC_VERSION,
             "corpus": corpus,
             "window": window,
             "target": target,

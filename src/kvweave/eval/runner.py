@@ -30,7 +30,7 @@ import torch
 from kvweave._compat import TRANSFORMERS_VERSION, cache_kwarg
 from kvweave.cache import make_cache
 from kvweave.eval import tasks as task_lib
-from kvweave.registry import parse_method
+from kvweave.registry import SPEC_VERSION, parse_method
 
 
 @dataclasses.dataclass
@@ -282,6 +282,7 @@ def run_trial(
     return {
         "model": config.model,
         "method": trial.method,
+        "spec_version": SPEC_VERSION,
         "options": parse_method(trial.method).options(),
         "task": trial.task,
         "context": trial.context,

@@ -90,7 +90,11 @@ def load_run(path: str | Path) -> Run:
     rows = [r for r in runner.read_rows(rows_path) if _is_result(r)] if rows_path.is_file() else []
     ppl = [r for r in runner.read_rows(ppl_path) if "nll" in r] if ppl_path.is_file() else []
     bench = bench_rows(runner.read_rows(bench_path)) if bench_path.is_file() else []
-    for row in rows + ppl + bench:  # rows written before an option was renamed read under the current names
+    for row in rows + ppl:  # rows written before an option was renamed or a default changed: today's spec
+        if isinstance(row.get("method"), str):
+            options = row.get("options") if isinstance(row.get("options"), dict) else None
+            row["method"] = canonical_spec(row["method"], options, legacy="spec_version" not in row)
+    for row in bench:  # `kvweave bench` rows are all of the current vocabulary
         if isinstance(row.get("method"), str):
             row["method"] = canonical_spec(row["method"])
     run = Run(folder, rows, config, meta.get("environment", {}), command, ppl, bench)

@@ -203,6 +203,7 @@ class DepthWeave(Method):
     cross_layer = True
     budget_options = {"compression": "compression", "decode_tokens": "attended tokens"}
     renamed_options = {"target_ratio": "compression"}
+    legacy_defaults = {"decode_tokens": 0}
     test_options = {
         "recent": 8,
         "block": 8,

@@ -171,6 +171,30 @@ class DepthWeaveLayer(CompressedLayer):
                     tensors += store.shared_tensors()
         return tensors_nbytes(tensors)
 
+    def read_bytes(self) -> int:
+        """Bytes one decode step of this layer reads: its recent buffer, coefficients, exact rows and page
+        summaries, and the coordinates of the tokens it attends (the chosen pages with selective decode; every
+        token's otherwise: the group's coordinates are read by each member layer)."""
+        tensors = self.recent.tensors()
+        total = 0
+        method = self.method
+        for store in self.group.rows:
+            if store is None:
+                continue
+            tensors = tensors + store.layer_tensors(self.layer_idx)
+            for segment in store.segments.values():
+                bounds = segment.bounds.get(self.layer_idx)
+                coords = segment.coords_k.nbytes() + segment.coords_v.nbytes()
+                rows = segment.slots.numel()
+                if bounds is not None:
+                    total += sum(t.numel() * t.element_size() for t in bounds.tensors())
+                    chosen = (
+                        min(rows, store.heads * method.decode_tokens) if method.decode_tokens > 0 else rows
+                    )
+                    coords = coords * chosen // max(rows, 1)
+                total += coords + segment.slots.numel() * segment.slots.element_size()
+        return total + tensors_nbytes(tensors)
+
     def entries(self) -> int:
         """Tokens held (row 0): recent + exact rows + factorized tokens."""
         stores = self.group.rows

@@ -135,7 +135,11 @@ class DKCache(Method):
         "prefill; overrides core/steady. Retrieved far pages come on top",
     )
     sinks: int = option(4, "first real tokens of each row always in attention (attention sinks)")
-    decouple: bool = option(True, "de-mean the steady tier's keys: K - alpha * mean(K_steady)")
+    decouple: bool = option(
+        False,
+        "de-mean the steady tier's keys: K - alpha * mean(K_steady) (the seed's rule 1; off by default: it cost NIAH "
+        "and perplexity in every measurement, docs/findings.md)",
+    )
     alpha: float | None = option(None, "decoupling strength in [0.25, 0.5] (default: the profile's, 0.38)")
     profile: str = option("default", "alpha preset: default 0.38, chat 0.30, code 0.42 (seed rule 1)")
     decouple_values: bool = option(False, "refused: values are never decoupled (seed rule 2)")
@@ -195,6 +199,7 @@ class DKCache(Method):
     exact_prefill = False
     budget_options = {"attended": "attended fraction", "bits": "bits"}
     renamed_options = {"ratio": "attended"}
+    legacy_defaults = {"bits": 16, "decouple": True}
     test_options = {"core": 4, "steady": 16, "page": 8, "pages": 2, "sinks": 2, "far_dtype": "int8"}
     invalid_options = (
         ({"alpha": 0.6}, "alpha"),
