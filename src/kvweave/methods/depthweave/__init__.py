@@ -30,10 +30,17 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   old coordinates are re-expressed, never recomputed from exact KV). With ``target_error`` the probe also
   raises or lowers the rank of later chunks. Memory per token stays at the compressed rate.
 - Attention never materialises values: ``P·V ≈ (P·C_v)·R_v`` per bucket. Post-RoPE keys use latent scores
-  ``q·(C R_k)ᵀ = (q R_kᵀ)·Cᵀ``; pre-RoPE keys must be reconstructed (the rotation depends on the token and
-  does not commute with a token-side base), so one layer's compressed keys exist transiently during its
-  attention step (the size of that layer's exact keys; never all layers at once). Post-RoPE keys trade
-  quality (below) for that.
+  ``q·(C R_k)ᵀ = (q R_kᵀ)·Cᵀ``; pre-RoPE keys must be rebuilt (the rotation depends on the token and does not
+  commute with a token-side base).
+- **Selective decode** (``decode_tokens``, default 1024; :mod:`.select`): each segment keeps per layer INT8 page
+  summaries (per-channel min/max of ``page`` stored keys, rounded outwards; their bytes are part of the
+  ``compression`` budget). A decode step (one new query per row) bounds ``q·k`` per page, keeps the top
+  ``decode_tokens / page`` pages per KV head, and rebuilds, rotates and scores only those tokens — in one fused
+  C++ kernel on CPU (:mod:`kvweave.kernels.cpu_factor`; ``kernel=torch`` is the tested reference) — then
+  attends exactly over them, the exact rows and the recent buffer. Other compressed tokens get no weight that
+  step (Quest-style sparsity). Multi-token steps (a question fed after the document) and stores with no more
+  pages than the budget attend over everything. ``decode_tokens=0`` is the previous path (every key rebuilt
+  every step, no summaries).
 - ``bits=8|4`` stores the token-side coordinates as integers, scales per column over groups of 64 rows;
   coefficients ``R`` (shared by every token) at 8 bits. 16-bit storage is float16 for float32 models.
 
