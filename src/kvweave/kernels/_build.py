@@ -16,8 +16,9 @@ def build(
 ) -> tuple[Any | None, str | None]:
     """``(module, None)`` or ``(None, reason)`` for the C++ ``source`` exporting ``functions``.
 
-    ``openmp=False``: the source parallelises with ``at::parallel_for`` (torch's own thread pool) and uses
-    OpenMP only for ``simd`` pragmas, so no second OpenMP runtime competes with torch's threads."""
+    With ``openmp`` (the default) the extension links ``libgomp.so.1``, which resolves to the copy torch has
+    already loaded, so ``#pragma omp`` and ``at::parallel_for`` share torch's thread pool; ``openmp=False``
+    builds it single-threaded (``simd`` pragmas only)."""
     if os.environ.get("KVWEAVE_NO_CPP", "") not in ("", "0"):
         return None, "disabled by KVWEAVE_NO_CPP"
     try:

@@ -18,7 +18,7 @@ import torch
 
 from kvweave.kernels._build import build
 
-_NAME = "kvweave_cpu_factor_v2"
+_NAME = "kvweave_cpu_factor_v3"
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -154,7 +154,7 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["factor_logits", "factor_weighted"], openmp=False)
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["factor_logits", "factor_weighted"])
     return module
 
 

@@ -18,7 +18,7 @@ import torch
 
 from kvweave.kernels._build import build
 
-_NAME = "kvweave_cpu_int8_v2"
+_NAME = "kvweave_cpu_int8_v3"
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -127,7 +127,7 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values"], openmp=False)
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values"])
     return module
 
 
