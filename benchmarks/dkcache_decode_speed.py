@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import kvweave
 from kvweave._compat import cache_kwarg
+from kvweave.eval.bench import prompt
 from kvweave.eval.runner import environment
-from kvweave.eval.tasks import load_haystack
 from kvweave.registry import parse_method
 
 GENERAL = " [general path]"
@@ -46,14 +46,8 @@ def cache_method(label: str) -> Any:
 
 
 def prompt_ids(tokenizer: Any, tokens: int) -> torch.Tensor:
-    """The first ``tokens`` tokens of the pydoc haystack (repeated if it is shorter)."""
-    text = load_haystack("pydoc").text
-    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise ValueError("the pydoc haystack is empty on this Python; cannot build a prompt")
-    while len(ids) < tokens:
-        ids = ids + ids
-    return torch.tensor([ids[:tokens]])
+    """The first ``tokens`` tokens of the pydoc haystack (repeated if it is shorter): ``kvweave bench``'s prompt."""
+    return prompt(tokenizer, 0, tokens, 1, "cpu")
 
 
 def main() -> None:

@@ -136,6 +136,8 @@ def prompt(tokenizer: Any, vocab: int, tokens: int, batch: int, device: str) -> 
     from kvweave.eval.tasks import load_haystack
 
     ids: list[int] = tokenizer.encode(load_haystack("pydoc").text, add_special_tokens=False)
+    if not ids:
+        raise ValueError("the pydoc haystack is empty on this Python; cannot build a prompt")
     while len(ids) < tokens + batch * 997:
         ids = ids + ids
     return torch.tensor([ids[row * 997 : row * 997 + tokens] for row in range(batch)], device=device)
