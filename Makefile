@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup models test-models test check lint demo
+.PHONY: setup models test-models test check lint demo browser
 
 $(BIN)/kvweave:
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,14 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src/kvweave
 
-test: test-models lint  ## unit + contract + integration tests
+browser:  ## headless Chromium for the report's browser test (Debian/Ubuntu as root or with sudo; else it skips)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  if command -v apt-get >/dev/null 2>&1 && $$SUDO apt-get update -qq >/dev/null 2>&1 && \
+	     $$SUDO apt-get install -y -qq chromium >/dev/null 2>&1; then echo "installed chromium for the browser test"; \
+	  else echo "chromium could not be installed here (no apt-get or no root); the report's browser test will skip"; fi; }
+
+test: test-models lint browser  ## unit + contract + integration tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 check: test

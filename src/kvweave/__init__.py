@@ -1,8 +1,9 @@
 """kvweave: KV-cache compression for long-context inference with Hugging Face transformers.
 
 model, tokenizer = kvweave.load_model("qwen2.5-coder-0.5b")
-cache = kvweave.make_cache("full", model)          # or "window:window=1024", "quant:bits=4", ...
-model.generate(**inputs, past_key_values=cache)
+result = kvweave.generate(model, tokenizer, "...", "window:ratio=0.125")  # text, cache, token counts
+cache = kvweave.make_cache("quant:bits=4", model)   # or drive model.generate yourself:
+model.generate(ids, **{kvweave.cache_kwarg(model): cache})
 cache.nbytes(), cache.stats()
 """
 
@@ -16,8 +17,11 @@ __all__ = [
     "METHODS",
     "CacheFileError",
     "EntropyTemperatureProcessor",
+    "Generated",
     "KVCache",
     "Method",
+    "cache_kwarg",
+    "generate",
     "load_cache",
     "load_model",
     "make_cache",
@@ -42,6 +46,9 @@ _LAZY = {
     "save_cache": "kvweave.persist",
     "load_cache": "kvweave.persist",
     "CacheFileError": "kvweave.persist",
+    "generate": "kvweave.generation",
+    "Generated": "kvweave.generation",
+    "cache_kwarg": "kvweave._compat",
 }
 
 

@@ -24,9 +24,11 @@ import torch
 
 from kvweave._compat import Cache, CacheLayerMixin, default_layers, mask_to_bool, sdpa_attention, text_config
 from kvweave.attention import mark_pending, prepare
+from kvweave.distributed import local_kv_heads, tensor_parallel
 from kvweave.ops.attention import masked_attention
 from kvweave.ops.masking import visible_mask
 from kvweave.ops.rope import RopeTable, Rotary, find_rotary
+from kvweave.ops.storage import storage_dtype
 from kvweave.registry import Method, parse_method
 from kvweave.state import Stateful
 
@@ -111,7 +113,11 @@ class KVCache(Cache):
                 f"{method.name}: this model caches multi-head latent attention (MLA) latents, not per-head keys "
                 "and values; kvweave's compressed methods need a standard K/V cache. Use method 'full'."
             )
-        self.num_kv_heads: int = self.config.num_key_value_heads
+        # under tensor parallelism (kvweave.distributed) this rank's share of the KV heads, from global head
+        # ``kv_head_offset`` on; in one process all of them, from 0
+        self.tp = tensor_parallel(model)
+        self.num_kv_heads: int = local_kv_heads(self.config, self.tp)
+        self.kv_head_offset: int = self.tp.rank * self.num_kv_heads if self.tp is not None else 0
         self.head_dim: int = getattr(self.config, "head_dim", None) or (
             self.config.hidden_size // self.config.num_attention_heads
         )
@@ -184,7 +190,8 @@ class KVCache(Cache):
         return 0
 
     def stats(self) -> dict[str, Any]:
-        """Per-layer detail: bytes held, entries held, tokens seen, and method-specific parts."""
+        """Per-layer detail: bytes held, entries held, tokens seen, and method-specific parts (under tensor
+        parallelism also ``tp_rank`` and ``tp_size``: the numbers are this rank's)."""
         per_layer = []
         for idx, layer in enumerate(self.layers):
             entry = {
@@ -204,6 +211,8 @@ class KVCache(Cache):
             "full_kv_bytes_16bit": full,
             "compression": (full / held) if held else None,
             "layers": per_layer,
+            # under tensor parallelism: this rank's heads only (kvweave.distributed.summed_nbytes adds the ranks)
+            **({"tp_rank": self.tp.rank, "tp_size": self.tp.size} if self.tp is not None else {}),
         }
 
 
@@ -355,7 +364,8 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         self.seen += q_len
         if first == 0:
             self.record_padding(attention_mask)
-        keys, values = self.attention_keys_values(query)
+        # the prompt attends to its own exact keys and values; later steps to what the store holds
+        keys, values = (key, value) if first == 0 else self.attention_keys_values(query)
         if self.cache.replaying:  # shared-prefill replay: the output is known already, only the store matters
             out = query.new_empty(0)
         elif self.slots is None:  # nothing evicted: transformers' own path, exact
@@ -366,8 +376,23 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         self.after_attention(query, attention_mask, first)
         return out
 
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The dtype exact entries are held in: the method's ``storage`` option (``kvweave.ops.storage``), the
+        model's own for a method without one."""
+        return storage_dtype(getattr(self.cache.method, "storage", "model"), self.dtype)
+
+    def stored(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` at the store's width (no copy when it already is)."""
+        return tensor.to(self.store_dtype)
+
+    def computed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A held ``tensor`` at the model's width, for attention (no copy when it already is)."""
+        return tensor.to(self.dtype)
+
     def append(self, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None) -> None:
-        """Add new exact entries (default store)."""
+        """Add new exact entries (default store, at :attr:`store_dtype`)."""
+        key, value = self.stored(key), self.stored(value)
         keys = getattr(self, "keys", None)
         if keys is None or keys.numel() == 0:
             self.keys, self.values = key, value
@@ -383,8 +408,8 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         return slots.view(1, 1, -1).expand(self.rows, heads, -1).contiguous()
 
     def attention_keys_values(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values attention sees (default: the exact store)."""
-        return self.keys, self.values  # type: ignore[return-value]
+        """The keys and values attention sees (default: the exact store, at the model's width)."""
+        return self.computed(self.keys), self.computed(self.values)  # type: ignore[arg-type]
 
     def after_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, first: int) -> None:
         """Compression policy hook, called after each attention step (default: nothing)."""

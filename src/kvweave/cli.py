@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
-from kvweave.cli_args import _ints, _load, _loaded_cache, _methods, _split, _write_command  # noqa: F401
+from kvweave.cli_args import (  # noqa: F401
+    _check_generate_length,
+    _check_model,
+    _count,
+    _device,
+    _ints,
+    _length,
+    _load,
+    _loaded_cache,
+    _methods,
+    _non_negative,
+    _prompt_text,
+    _run_folder,
+    _split,
+    _user_error,
+    _verify_saved,
+    _write_command,
+)
 
 EPILOG = "Method specs are 'name' or 'name:key=value,key=value' (see `kvweave methods`)."
 
@@ -43,8 +62,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "pull":
         if not args.name:
-            print("kvweave models pull NAME: give a model name (see `kvweave models`)", file=sys.stderr)
-            return 2
+            raise ValueError("give a model name: kvweave models pull NAME (see `kvweave models`)")
         folder = models.pull(args.name, progress=True)
         print(f"{args.name}: ready in {folder}")
         return 0
@@ -69,28 +87,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvweave.registry import parse_method
 
     if args.save_cache and args.load_cache:
-        print("give --save-cache or --load-cache, not both", file=sys.stderr)
-        return 2
+        raise ValueError("give --save-cache or --load-cache, not both")
     method = args.method or "full"
     parse_method(method)  # fail on a bad spec before loading a model
+    if args.save_cache and Path(args.save_cache).is_file():
+        raise ValueError(
+            f"--save-cache {args.save_cache} is a file; give a folder (new, or one an earlier save wrote)"
+        )
     if args.load_cache:
-        from kvweave.persist import read_manifest
+        from kvweave.distributed import saved_method as saved_spec
 
-        saved_method = read_manifest(args.load_cache)["method"]
+        saved_method = saved_spec(args.load_cache)  # one process's cache folder or a tensor-parallel set
+        _verify_saved(args.load_cache)  # checksums: a corrupt file fails before the model loads
         if args.method and parse_method(args.method).spec() != saved_method:
-            print(
+            raise ValueError(
                 f"--method {args.method} differs from the saved cache's method {saved_method}; drop --method "
-                "(the saved one is used) or prefill again with --save-cache",
-                file=sys.stderr,
+                "(the saved one is used) or prefill again with --save-cache"
             )
-            return 2
+    if args.prompt and args.prompt_file:
+        raise ValueError("give a prompt or --prompt-file, not both")
     if args.prompt_file:
-        prompt = Path(args.prompt_file).read_text()
-    elif args.prompt:
+        prompt = _prompt_text(args.prompt_file)
+    elif args.prompt and args.prompt.strip():
         prompt = args.prompt
     else:
-        print("give a prompt or --prompt-file", file=sys.stderr)
-        return 2
+        raise ValueError('give a prompt: kvweave generate "your prompt" (or --prompt-file FILE)')
+    from kvweave.distributed import is_main_process, launch, needs_launch, summed_full_kv_bytes, summed_nbytes
+
+    if needs_launch(args.tp):  # --tp N: start N ranks under torchrun, each running this command
+        return launch(args.argv, args.tp)
     model, tokenizer = _load(args)
     if getattr(tokenizer, "chat_template", None) and not args.raw:
         text = tokenizer.apply_chat_template(
@@ -99,9 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-    from kvweave.eval.runner import check_length
-
-    check_length(model, ids.shape[1] + args.max_new_tokens, args.beyond_trained)
+    _check_generate_length(model, ids.shape[1], args.max_new_tokens, args.beyond_trained)
     if args.load_cache:
         cache = _loaded_cache(args.load_cache, model, ids)
     else:
@@ -109,14 +132,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cache.set_prompt(ids, tokenizer)
     if args.save_cache:
         if ids.shape[1] < 2:
-            print("--save-cache needs a prompt of at least 2 tokens", file=sys.stderr)
-            return 2
-        from kvweave.persist import save_cache
+            raise ValueError("--save-cache needs a prompt of at least 2 tokens; give a longer prompt")
+        from kvweave.distributed import save_cache  # one file set per rank under tensor parallelism
 
         with torch.no_grad():  # the prompt but its last token: generate() runs that one and goes on
             model(ids[:, :-1], attention_mask=torch.ones_like(ids[:, :-1]), **{cache_kwarg(model): cache})
         save_cache(cache, model, args.save_cache, prompt_ids=ids[:, :-1])
-        print(f"saved the cache of {ids.shape[1] - 1} prompt tokens to {args.save_cache}", file=sys.stderr)
+        if is_main_process():
+            print(
+                f"saved the cache of {ids.shape[1] - 1} prompt tokens to {args.save_cache}", file=sys.stderr
+            )
     extra: dict[str, Any] = {}
     processor = None
     if args.entropy_control:
@@ -137,9 +162,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             **extra,
             **{cache_kwarg(model): cache},
         )
+    full, held = summed_full_kv_bytes(cache), summed_nbytes(cache)  # every rank takes part under --tp
+    if not is_main_process():  # the ranks generated the same tokens; rank 0 prints them
+        return 0
     print(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    full = cache.full_kv_bytes(16)
-    held = cache.nbytes()
     print(
         f"\n[{cache.method.spec()}] prompt {ids.shape[1]} tokens, KV held {held / 2**20:.2f} MiB, "
         f"16-bit full cache {full / 2**20:.2f} MiB, compression {full / held if held else 0:.2f}x",
@@ -167,13 +193,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         beyond_trained=args.beyond_trained,
         max_new_tokens=args.max_new_tokens,
+        tp=args.tp,
     )
+    from kvweave.distributed import is_main_process, launch, needs_launch
+
+    _run_folder(args.out)
     out = Path(args.out) if args.out else None
     if out is not None:
         runner.check_resumable(out / "rows.jsonl", runner.plan(config), config)  # before command.txt grows
+    if needs_launch(args.tp):  # --tp N: start N ranks under torchrun, each running this command
+        return launch(args.argv, args.tp)
+    if out is not None and is_main_process():
         out.mkdir(parents=True, exist_ok=True)
         _write_command(out)
     rows = runner.run(config, out_dir=out, progress=not args.json)
+    if not is_main_process():  # rank 0 wrote the rows and prints the table
+        return 0
     summary = runner.add_speed_ratios(runner.summarize(rows))
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}, default=str))
@@ -204,9 +239,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvweave import demo
-    from kvweave.eval import runner
 
-    summary, folder = demo.run_demo(
+    _run_folder(args.out)
+    summary, folder, labels = demo.run_demo(
         model=args.model,
         context=args.context,
         trials=args.trials,
@@ -215,10 +250,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_new_tokens=args.max_new_tokens,
     )
-    print(runner.format_table(summary))
+    print("\n" + textwrap.fill(demo.verdict(summary, args.context, args.trials, labels), width=110))
     print(
         f"\nrun folder: {folder}\nreport: {folder / 'report.html'}\nsummary: {folder / 'summary.md'} "
-        f"(numbers: {folder / 'summary.csv'})"
+        f"(numbers: {folder / 'summary.csv'}; every row: {folder / 'rows.jsonl'})"
     )
     return 0
 
@@ -228,8 +263,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     config = bench.BenchConfig(
         methods=_methods(args.methods),
-        contexts=_ints(args.context),
-        batches=_ints(args.batch),
+        contexts=args.context,
+        batches=args.batch,
         model=None if args.shape else args.model,
         shape=args.shape,
         layers=args.layers,
@@ -272,8 +307,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         parse_method(spec)
     if not 0 < args.target < args.window:  # before the model loads
         raise ValueError(
-            f"--target must be between 1 and --window - 1, got {args.target} for window {args.window}"
+            f"--target must be between 1 and --window - 1, got {args.target} for window {args.window}; give a "
+            "smaller --target or a larger --window"
         )
+    _run_folder(args.out)
     model, tokenizer = _load(args)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -303,7 +340,9 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(args)
     text = task_lib.load_corpus(args.corpus, data_dir=args.data)
-    result = run_diagnostics(model, tokenizer, text, args.lengths, methods=_methods(args.methods or ""))
+    result = run_diagnostics(
+        model, tokenizer, text, args.lengths, methods=_methods(args.methods or "", allow_empty=True)
+    )
     result["command"] = "kvweave " + " ".join(sys.argv[1:])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -317,11 +356,19 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- parser
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line with the way out (``--help``), as every error of the
+    command line is; subcommand parsers are of the same class."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvweave.eval.tasks import TASKS  # 0.1 s, no torch
 
     task_names = list(TASKS)
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvweave",
         description="KV-cache compression for long-context inference with transformers: "
         "DK-Cache, DepthWeave-KV and the baselines, measured on real models.",
@@ -368,6 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
             help="allow prompts longer than the model's trained context",
         )
 
+    def tp_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--tp",
+            type=_count,
+            default=1,
+            metavar="N",
+            help="tensor parallelism: shard the model's heads over N local processes (started with torchrun; "
+            "gloo on CPU), each holding its heads' cache; head counts must divide by N (default 1)",
+        )
+
     p = sub.add_parser(
         "generate",
         help="generate text with a compressed cache",
@@ -379,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--method", default=None, help="method spec (default: full; with --load-cache: the saved one)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-new-tokens", type=_length, default=64, help="tokens to generate (default 64)")
     p.add_argument(
         "--save-cache",
         metavar="DIR",
@@ -397,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample with DK-Cache's entropy-driven temperature control and print the trace",
     )
     model_args(p)
+    tp_arg(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -408,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the question is seen.",
     )
     model_args(p)
+    tp_arg(p)
     p.add_argument(
         "--task",
         default="passkey",
@@ -422,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="comma-separated method specs; sweep an option with |, e.g. window:ratio=0.25|0.125",
     )
-    p.add_argument("--trials", type=int, default=3, help="trials per (task, length); depths spread 10-90%%")
+    p.add_argument(
+        "--trials", type=_count, default=3, help="trials per (task, length); depths spread 10-90%%"
+    )
     p.add_argument("--question-aware", action="store_true", help="put the question before compression")
     p.add_argument(
         "--haystack",
@@ -437,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="base seed of the generated samples (needles, values, document windows); a different seed "
         "gives new samples at the same depths (default 0)",
     )
-    p.add_argument("--max-new-tokens", type=int, help="override the task's answer length")
+    p.add_argument("--max-new-tokens", type=_length, help="override the task's answer length")
     p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
     p.add_argument(
         "--no-shared-prefill",
@@ -481,9 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="wikitext2_valid",
         help="wikitext2_valid, wikitext2_test, tinyshakespeare (need --data/KVWEAVE_DATA), pydoc, code",
     )
-    p.add_argument("--window", type=int, default=4096, help="tokens per window")
-    p.add_argument("--target", type=int, default=512, help="scored tokens at the end of each window")
-    p.add_argument("--windows", type=int, default=4, help="number of windows")
+    p.add_argument("--window", type=_length, default=4096, help="tokens per window")
+    p.add_argument("--target", type=_length, default=512, help="scored tokens at the end of each window")
+    p.add_argument("--windows", type=_count, default=4, help="number of windows")
     p.add_argument(
         "--stepwise",
         action="store_true",
@@ -530,20 +591,22 @@ def build_parser() -> argparse.ArgumentParser:
         "weights of a real architecture (labelled random:NAME).",
     )
     p.add_argument("--methods", default="full,quant,dkcache,depthweave", help="comma-separated method specs")
-    p.add_argument("--context", default="4k", help="prompt lengths, e.g. 4k,16k,32k")
-    p.add_argument("--batch", default="1", help="batch sizes, e.g. 1,4")
+    p.add_argument("--context", type=_ints, default="4k", help="prompt lengths, e.g. 4k,16k,32k")
+    p.add_argument("--batch", type=_ints, default="1", help="batch sizes, e.g. 1,4")
     p.add_argument(
         "--model", default="qwen2.5-coder-0.5b", help="registry name or local folder (real weights)"
     )
     p.add_argument("--shape", choices=["qwen2.5-0.5b", "llama-3.1-8b"], help="random weights of this shape")
-    p.add_argument("--layers", type=int, help="with --shape: this many decoder layers")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--layers", type=_count, help="with --shape: this many decoder layers")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype"
     )
-    p.add_argument("--steps", type=int, default=8, help="decode steps per round (default 8)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
-    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per method first (default 2)")
+    p.add_argument("--steps", type=_count, default=8, help="decode steps per round (default 8)")
+    p.add_argument("--rounds", type=_count, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument(
+        "--warmup", type=_non_negative, default=2, help="untimed decode steps per method first (default 2)"
+    )
     p.add_argument(
         "--out",
         help="where rows are appended as each point finishes: a FILE.jsonl, or a folder (bench.jsonl + "
@@ -554,20 +617,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="every registered method at ~4x vs full, in minutes",
+        help="every registered method at 4x and 8x of a 16-bit cache, in about 5 minutes",
         epilog=EPILOG,
         description="Question-agnostic passkey + niah_multikey on the default model at one context "
-        "length: full, the registered baselines at ~4x (ratio=0.25, quant bits=4) and kvweave's methods; "
-        "prints the table and writes the run folder with report.html, summary.md and summary.csv.",
+        "length: full, then the registered baselines and kvweave's methods at 4x and 8x against a 16-bit "
+        "cache (ratio=0.25 / 0.125, quant bits=4 / 2, depthweave compression=4 / 8, dkcache attending a "
+        "quarter / an eighth), method by method; prints each method's line when it is done, then a verdict "
+        "from the numbers just measured, and writes the run folder with report.html, summary.md and "
+        "summary.csv. About 5 minutes and 4 GB of memory on 2 idle CPU cores (README).",
     )
     p.add_argument(
         "--model", default="qwen2.5-coder-0.5b", help="registry name or a local Hugging Face folder"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    p.add_argument("--context", type=int, default=2048, help="context length in tokens (default 2048)")
-    p.add_argument("--trials", type=int, default=3, help="trials per task (needle depths 10-90%%)")
+    p.add_argument(
+        "--context",
+        type=_length,
+        default=1024,
+        help="context length in tokens, e.g. 1024 or 4k (default 1024)",
+    )
+    p.add_argument("--trials", type=_count, default=3, help="trials per task (needle depths 10-90%%)")
     p.add_argument("--methods", help="comma-separated method specs (default: the registered ones at ~4x)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="answer length (default 16)")
+    p.add_argument("--max-new-tokens", type=_length, default=10, help="answer length (default 10)")
     p.add_argument("--out", help="run folder (default runs/demo-<model>-<context>); a rerun resumes")
     p.set_defaults(func=cmd_demo)
     return parser
@@ -577,14 +648,26 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvweave`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --tp re-runs under torchrun
     try:
+        if getattr(args, "model", None) and not getattr(args, "shape", None):
+            _check_model(args.model)  # a model that cannot exist fails before any work
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        print(f"kvweave {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, argparse.ArgumentTypeError) as error:
+        print(f"kvweave {args.command}: error: {_user_error(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; finished rows are kept (rerun the same command to resume)", file=sys.stderr)
         return 130
+    except Exception as error:  # a bug, not a bad input: one line, the traceback on request
+        if os.environ.get("KVWEAVE_DEBUG"):
+            raise
+        print(
+            f"kvweave {args.command}: internal error: {type(error).__name__}: {_user_error(error)} (a bug: "
+            "rerun with KVWEAVE_DEBUG=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 3
 
 
 if __name__ == "__main__":

@@ -518,19 +518,44 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    tp_plan: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a registry model (pulling it if needed) or a local Hugging Face folder.
 
-    Returns ``(model, tokenizer)`` with the model in eval mode on ``device``.
+    Returns ``(model, tokenizer)`` with the model in eval mode on ``device``. ``tp_plan="auto"`` shards it with
+    transformers' tensor-parallel plan over the ranks ``torchrun`` started (each rank holds its share of the
+    heads; :mod:`kvweave.distributed`); head counts that do not divide by the world size are refused first.
     """
     torch_dtype = parse_dtype(dtype)
     folder = resolve(name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    sharding = _tensor_parallel_kwargs(folder, tp_plan)  # refuses a bad launch or head count before loading
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch_dtype, attn_implementation=attn_implementation
+        folder, dtype=torch_dtype, attn_implementation=attn_implementation, **sharding
     )
-    model.to(device)
+    if not sharding:  # a sharded model is placed by its plan
+        model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def _tensor_parallel_kwargs(folder: Path, tp_plan: str | None) -> dict[str, Any]:
+    """``from_pretrained`` keywords for ``tp_plan`` after checking the launch and the head counts."""
+    if tp_plan is None:
+        return {}
+    from transformers import AutoConfig
+
+    from kvweave._compat import text_config
+    from kvweave.distributed import check_head_counts, launched_world, load_kwargs
+
+    _, world = launched_world()
+    if world < 2:
+        raise ModelError(
+            f"tp_plan={tp_plan!r} shards the model over the ranks torchrun starts, and this process runs alone: "
+            "launch it with `torchrun --nproc-per-node N ...` (or `kvweave generate|eval --tp N`), or drop "
+            "tp_plan"
+        )
+    check_head_counts(text_config(AutoConfig.from_pretrained(folder)), world)
+    return load_kwargs(tp_plan)

@@ -33,11 +33,13 @@ from the one the cache was made with, a method kvweave does not know.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,8 @@ def model_fingerprint(model: Any) -> dict[str, Any]:
     chosen = [keys[0], keys[-1]] if keys else list(model.parameters())[:1]
     digest = hashlib.sha256()
     for weight in chosen:
+        # under tensor parallelism: this rank's shard (a rank's cache file fits that shard only)
+        weight = weight.to_local() if hasattr(weight, "to_local") else weight
         digest.update(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     found["weights_sha256"] = digest.hexdigest()[:16]
     found["dtype"] = (
@@ -391,12 +395,21 @@ def state_schema(manifest: dict[str, Any]) -> dict[str, list[str]]:
 # ----------------------------------------------------------------------------------------------- save
 
 
+PENDING = MANIFEST + ".pending"
+"""The new manifest while a save swaps the pair: complete on disk before the tensor file is replaced, renamed to
+``manifest.json`` right after. A loader that finds the tensor file newer than ``manifest.json`` reads this one."""
+_TEMPORARY = ".tmp"  # suffix of the files a save writes before renaming them (leftovers of a killed save)
+
+
 def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids: Any = None) -> Path:
     """Write ``cache`` (a :class:`kvweave.KVCache` after a prefill) to the folder ``path``.
 
     ``prompt_ids`` (``[n]`` or ``[B, n]``), when given, are recorded so a loader can check that its prompt
-    continues the cached one. The files are written to a temporary name and renamed, so an interrupted save
-    never leaves a folder that looks complete. Returns the folder.
+    continues the cached one. Both files are written completely (and synced) under temporary names first; the
+    new manifest is put beside the old one (``manifest.json.pending``) before the tensor file is replaced, and
+    renamed over it right after. A save that is killed or runs out of disk at any point therefore leaves the
+    previous cache or the new one loadable, never a mix, and a failed write raises :class:`CacheFileError` with
+    the old cache intact. One writer at a time per folder; readers may load while it writes. Returns the folder.
     """
     from kvweave import __version__
     from kvweave.cache import KVCache
@@ -409,6 +422,12 @@ def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids:
     tokens = max((layer.get_seq_length() for layer in cache.layers), default=0)
     if tokens == 0:
         raise ValueError("kvweave.save_cache: the cache is empty; run the prompt through the model first")
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise CacheFileError(
+            f"{folder} is a file; a saved cache is a folder (kv.safetensors + manifest.json): give a new path "
+            "or the folder of an earlier save"
+        )
     encoder = _Encoder(cache)
     state = {
         "layers": [encoder.layer(i) for i in range(len(cache.layers))],
@@ -417,16 +436,13 @@ def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids:
     ids = None
     if prompt_ids is not None:
         ids = torch.as_tensor(prompt_ids).reshape(-1, torch.as_tensor(prompt_ids).shape[-1]).tolist()
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".tmp", delete=False) as handle:
-        partial = Path(handle.name)
-    try:
-        save_file(encoder.tensors, str(partial), metadata={"format": FORMAT})
-        digest = _sha256(partial)
-        manifest = {
+    data = save(encoder.tensors, metadata={"format": FORMAT})
+    count = len(encoder.tensors)
+    encoder.tensors.clear()  # the serialized bytes replace the host copies
+    manifest = with_checksum(
+        {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "kvweave": __version__,
@@ -435,18 +451,103 @@ def save_cache(cache: Any, model: Any, path: str | os.PathLike[str], prompt_ids:
             "rows": cache.batch_rows(),
             "model": model_fingerprint(model),
             "prompt_ids": ids,
-            "tensors": {"file": TENSORS, "sha256": digest, "count": len(encoder.tensors)},
+            "tensors": {
+                "file": TENSORS,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "count": count,
+            },
             "state": state,
         }
-        os.replace(partial, folder / TENSORS)
+    )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _finish_interrupted_save(folder)
+        tensors = _write_temporary(folder, data)
+        try:
+            staged = _write_temporary(folder, json.dumps(manifest).encode())
+            os.replace(staged, folder / PENDING)  # the new manifest is complete before the pair changes
+            os.replace(tensors, folder / TENSORS)
+        except BaseException:
+            tensors.unlink(missing_ok=True)
+            raise
+        os.replace(folder / PENDING, folder / MANIFEST)
+        _sync_folder(folder)
+    except OSError as err:
+        raise CacheFileError(
+            f"{folder}: cannot write the cache ({_reason(err)}); the cache saved there before (if any) is "
+            "kept: free space or fix the folder, then save again"
+        ) from err
+    return folder
+
+
+def with_checksum(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with its ``manifest_sha256`` (of every other field) set: what :func:`save_cache` writes.
+    A manifest edited by hand is refused on loading unless it is sealed again with this function."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    return {**body, "manifest_sha256": _manifest_digest(body)}
+
+
+def _manifest_digest(body: dict[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_temporary(folder: Path, data: bytes) -> Path:
+    """``data`` in a new temporary file of ``folder``, flushed to the disk; removed again if writing fails."""
+    handle, name = tempfile.mkstemp(dir=folder, prefix=".save-", suffix=_TEMPORARY)
+    partial = Path(name)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(handle, view[: 1 << 24])
+            view = view[written:]
+        os.fsync(handle)
     except BaseException:
+        os.close(handle)
         partial.unlink(missing_ok=True)
         raise
-    text = json.dumps(manifest)
-    temporary = folder / (MANIFEST + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, folder / MANIFEST)
-    return folder
+    os.close(handle)
+    return partial
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the folder's entries (the renames) to the disk, where the platform allows it."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _finish_interrupted_save(folder: Path) -> None:
+    """Before a new save: complete a save killed between its two renames (its pending manifest matches the
+    tensor file) or drop its pending manifest, and remove temporary files that killed saves left."""
+    pending = folder / PENDING
+    if pending.is_file():
+        try:
+            manifest = _parse_manifest(pending, pending.read_bytes())
+            current = _sha256(folder / TENSORS) if (folder / TENSORS).is_file() else None
+        except (CacheFileError, OSError):
+            manifest, current = None, None
+        if manifest is not None and manifest["tensors"].get("sha256") == current:
+            os.replace(pending, folder / MANIFEST)
+        else:
+            pending.unlink(missing_ok=True)
+    for leftover in folder.glob(f".save-*{_TEMPORARY}"):
+        leftover.unlink(missing_ok=True)
+
+
+def _reason(err: OSError) -> str:
+    if err.errno == errno.ENOSPC:
+        return "no space left on the device"
+    if err.errno == errno.EDQUOT:
+        return "disk quota exceeded"
+    return err.strerror or str(err)
 
 
 def _sha256(path: Path) -> str:
@@ -460,23 +561,24 @@ def _sha256(path: Path) -> str:
 # ----------------------------------------------------------------------------------------------- load
 
 
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of the saved cache at ``path`` (checked for format and version, not yet for the model)."""
-    folder = Path(path)
-    file = folder / MANIFEST
-    if not folder.is_dir():
-        raise CacheFileError(
-            f"{folder}: no such folder; save a cache there first (kvweave.save_cache or "
-            "`kvweave generate --save-cache`)"
+def _not_a_cache_folder(folder: Path) -> CacheFileError:
+    if folder.is_file():
+        inside = folder.name in (MANIFEST, TENSORS, PENDING)
+        hint = f"give its folder {folder.parent}" if inside else "give the folder a save wrote"
+        return CacheFileError(
+            f"{folder} is a file, not a saved-cache folder (kv.safetensors + manifest.json): {hint}"
         )
-    if not file.is_file():
-        raise CacheFileError(
-            f"{folder}: no {MANIFEST}; this is not a saved kvweave cache (or its save was "
-            "interrupted): save it again"
-        )
+    return CacheFileError(
+        f"{folder}: no such folder; save a cache there first (kvweave.save_cache or "
+        "`kvweave generate --save-cache`)"
+    )
+
+
+def _parse_manifest(file: Path, text: bytes) -> dict[str, Any]:
+    """A manifest's contents, checked for format, version, the fields a loader needs and its own checksum."""
     try:
-        manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        manifest = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CacheFileError(
             f"{file}: unreadable ({err}); the saved cache is corrupt: save it again"
         ) from err
@@ -494,24 +596,123 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{file}: cache format version {version}, this kvweave reads version "
             f"{FORMAT_VERSION}; save the cache again with this kvweave"
         )
-    for key in ("method", "tokens", "model", "tensors", "state"):
-        if key not in manifest:
+    for key, kind in (("method", str), ("tokens", int), ("model", dict), ("tensors", dict), ("state", dict)):
+        if not isinstance(manifest.get(key), kind):
             raise CacheFileError(
-                f"{file}: the manifest lacks {key!r}; the saved cache is corrupt: save it again"
+                f"{file}: the manifest lacks {key!r} (or it is not a {kind.__name__}); the saved cache is "
+                "corrupt: save it again"
             )
+    state = manifest["state"]
+    if not isinstance(state.get("layers"), list) or "context" not in state:
+        raise CacheFileError(
+            f"{file}: the manifest's state lacks its layers or context; save the cache again"
+        )
+    sealed = manifest.get("manifest_sha256")  # absent in files of kvweave 0.1.0 before the checksum
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    if sealed is not None and sealed != _manifest_digest(body):
+        raise CacheFileError(
+            f"{file}: the manifest's checksum does not match its contents, so it was edited or damaged after "
+            "saving; save the cache again (a deliberate edit must be sealed with kvweave.persist.with_checksum)"
+        )
     return manifest
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the saved cache at ``path`` (checked for format, version and its own checksum; not yet
+    against the tensor file or the model: :func:`verify_cache` and :func:`load_cache` do that)."""
+    folder = Path(path)
+    file = folder / MANIFEST
+    if not folder.is_dir():
+        raise _not_a_cache_folder(folder)
+    if not file.is_file() and (folder / "tp.json").is_file():
+        raise CacheFileError(
+            f"{folder}: saved by tensor-parallel ranks (tp.json), one file set per rank; load it with "
+            "kvweave.distributed.load_cache on the same number of ranks (`kvweave generate --tp N --load-cache`)"
+        )
+    if not file.is_file():
+        raise CacheFileError(
+            f"{folder}: no {MANIFEST}; this is not a saved kvweave cache (or its save was "
+            "interrupted): save it again"
+        )
+    try:
+        text = file.read_bytes()
+    except OSError as err:
+        raise CacheFileError(f"{file}: unreadable ({_reason(err)}); save the cache again") from err
+    return _parse_manifest(file, text)
+
+
+def _read_pair(folder: Path, attempts: int = 4) -> tuple[dict[str, Any], bytes]:
+    """The manifest and the bytes of the tensor file it names, read once and checked against each other.
+
+    A tensor file newer than ``manifest.json`` is matched against the pending manifest of a save that was
+    stopped between its renames (or is renaming now). A pair that does not match is read again while a writer
+    is replacing it (the manifest changed, or a pending one is there) and then refused: what is returned always
+    belongs together."""
+    data: bytes | None = None
+    name = TENSORS
+    previous: dict[str, Any] | None = None
+    for attempt in range(attempts):
+        manifest = read_manifest(folder)
+        if manifest == previous and not (folder / PENDING).exists():
+            break  # nothing is being replaced: the mismatch is damage, reading again will not change it
+        previous = manifest
+        name = str(manifest["tensors"].get("file", TENSORS))
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise CacheFileError(f"{folder}: the manifest names a tensor file outside its folder; save again")
+        try:
+            data = (folder / name).read_bytes()
+        except FileNotFoundError:
+            data = None
+        except OSError as err:
+            raise CacheFileError(
+                f"{folder / name}: unreadable ({_reason(err)}); save the cache again"
+            ) from err
+        if data is not None:
+            digest = hashlib.sha256(data).hexdigest()
+            if digest == manifest["tensors"].get("sha256"):
+                return manifest, data
+            try:
+                pending = _parse_manifest(folder / PENDING, (folder / PENDING).read_bytes())
+            except (OSError, CacheFileError):
+                pending = None
+            if pending is not None and digest == pending["tensors"].get("sha256"):
+                return pending, data
+        if attempt + 1 < attempts:
+            time.sleep(0.01 * (attempt + 1))
+    if data is None:
+        raise CacheFileError(f"{folder}: the tensor file {name} is missing; save the cache again")
+    raise CacheFileError(
+        f"{folder / name}: checksum mismatch, the tensor file is corrupt or was changed after saving; "
+        "save the cache again"
+    )
+
+
+def verify_cache(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check the saved cache at ``path`` without a model: the manifest (format, version, its checksum) and the
+    tensor file's checksum. Returns the manifest; raises :class:`CacheFileError` with the reason. Cheap next
+    to loading a model, so a command line checks a cache file with it first."""
+    manifest, data = _read_pair(Path(path))
+    _tensor_file(Path(path), data)
+    return manifest
+
+
+def _tensor_file(folder: Path, data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CacheFileError(f"{folder}: unreadable tensor file ({err}); save the cache again") from err
 
 
 def load_cache(path: str | os.PathLike[str], model: Any) -> tuple[Any, Manifest]:
     """Load the cache saved at ``path`` for ``model``: ``(cache, manifest)``. The cache continues exactly where
     the saved one stopped (``model.generate`` with the cached prompt followed by new tokens)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from kvweave.cache import make_cache
 
     folder = Path(path)
-    manifest = read_manifest(folder)
+    manifest, data = _read_pair(folder)
     expected = manifest["model"]
     found = model_fingerprint(model)
     differ = [
@@ -524,18 +725,8 @@ def load_cache(path: str | os.PathLike[str], model: Any) -> tuple[Any, Manifest]
             f"{folder}: the cache was saved from another model ({'; '.join(differ)}); load it "
             "with the model that made it, or prefill this model again"
         )
-    file = folder / str(manifest["tensors"].get("file", TENSORS))
-    if not file.is_file():
-        raise CacheFileError(f"{folder}: the tensor file {file.name} is missing; save the cache again")
-    if _sha256(file) != manifest["tensors"].get("sha256"):
-        raise CacheFileError(
-            f"{file}: checksum mismatch, the tensor file is corrupt or was changed after saving; "
-            "save the cache again"
-        )
-    try:
-        tensors = load_file(str(file))
-    except (SafetensorError, OSError) as err:
-        raise CacheFileError(f"{file}: unreadable tensor file ({err}); save the cache again") from err
+    tensors = _tensor_file(folder, data)
+    del data
     try:
         cache = make_cache(manifest["method"], model)
     except ValueError as err:

@@ -9,6 +9,7 @@ reading options renamed since results were first written under their current nam
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -67,9 +68,9 @@ class Method:
     # Options renamed since results were first written: old name -> new name. parse_method and the report
     # read old specs through this one table (canonical_spec).
     renamed_options: ClassVar[dict[str, str]] = {}
-    # Option values rows written before SPEC_VERSION used when they did not set them (defaults changed since,
-    # or options added since with the old behaviour as another value).
-    legacy_defaults: ClassVar[dict[str, Any]] = {}
+    # Option values that rows written before spec version N used when they did not set them (defaults changed
+    # in version N, or options added then with the old behaviour as another value): {N: {option: value}}.
+    legacy_defaults: ClassVar[dict[int, dict[str, Any]]] = {}
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
         """The cache layer object for decoder layer ``layer_idx`` (full-attention layers only)."""
@@ -149,19 +150,23 @@ BUDGET_KINDS = {
 """The kinds of budget a method option can set (``Method.budget_options``)."""
 
 
-SPEC_VERSION = 2
-"""Written into every result row (``spec_version``): rows without it predate the current option names and
-defaults, and :func:`canonical_spec` reads them with ``Method.legacy_defaults``."""
+SPEC_VERSION = 3
+"""Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
+current option names or defaults, and :func:`canonical_spec` reads them with ``Method.legacy_defaults``.
+Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
+version 3: exact tokens stored at 16 bits on float32 models (every method's ``storage=auto``)."""
 
 
-def canonical_spec(spec: str, options: dict[str, Any] | None = None, legacy: bool = False) -> str:
+def canonical_spec(
+    spec: str, options: dict[str, Any] | None = None, legacy: bool = False, version: int | None = None
+) -> str:
     """The spec a stored result row means today.
 
     Renamed options go under their current names (``dkcache:ratio=0.25`` -> ``dkcache:attended=0.25``). With
-    ``options`` (the row's recorded option values) the spec is rebuilt from them; with ``legacy`` (a row written
-    before :data:`SPEC_VERSION`) options the row does not set take the values they had then
-    (``Method.legacy_defaults``), so a changed default never relabels an old figure. Specs of unknown methods
-    (e.g. kvpress rows) are returned unchanged."""
+    ``options`` (the row's recorded option values) the spec is rebuilt from them; for a row written at spec
+    ``version`` (``legacy``: version 1, no ``spec_version`` in the row) options the row does not set take the
+    values they had then (``Method.legacy_defaults``), so a changed default never relabels an old figure.
+    Specs of unknown methods (e.g. kvpress rows) are returned unchanged."""
     import kvweave.methods  # noqa: F401  (registers the built-in methods)
 
     name, _, rest = spec.partition(":")
@@ -175,14 +180,18 @@ def canonical_spec(spec: str, options: dict[str, Any] | None = None, legacy: boo
         (cls.renamed_options.get(k.strip(), k.strip()), v.strip())
         for k, _, v in (i.partition("=") for i in items)
     ]
-    if not options and not legacy:  # a current spec: only renames, the text otherwise as written
+    written_at = 1 if legacy else (SPEC_VERSION if version is None else version)
+    if (
+        not options and written_at >= SPEC_VERSION
+    ):  # a current spec: only renames, the text otherwise as written
         return name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {cls.renamed_options.get(k, k): v for k, v in (options or {}).items()}
     values.update({k: _convert(cls, k, v) for k, v in pairs if k in fields})
-    if legacy:
-        for key, value in cls.legacy_defaults.items():
-            values.setdefault(key, value)
+    for since, defaults in cls.legacy_defaults.items():
+        if written_at < since:
+            for key, value in defaults.items():
+                values.setdefault(key, value)
     try:
         return cls(**{k: v for k, v in values.items() if k in fields}).spec()
     except (TypeError, ValueError):
@@ -196,33 +205,61 @@ def _type_name(hint: Any) -> str:
 
 
 def _convert(cls: type[Method], key: str, text: str) -> Any:
-    """Turn an option given as text into the field's type."""
+    """Turn an option given as text into the field's type (integers take ``4k`` = 4096, as lengths do)."""
     hint = typing.get_type_hints(cls).get(key)
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if text.lower() in ("none", "null") and type(None) in typing.get_args(hint):
         return None
     for kind in args:
+        value = _as(kind, text)
+        if value is not None:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{cls.name}: option {key}={text!r} is not a finite number; give a number")
+            return value
+    raise ValueError(
+        f"{cls.name}: option {key}={text!r} is not a valid {_type_name(hint)}; give a {_type_name(hint)} "
+        f"(`kvweave methods` lists every option)"
+    )
+
+
+def _as(kind: Any, text: str) -> Any:
+    """``text`` as a ``kind`` (bool, int, float or str), or ``None`` when it is not one."""
+    lowered = text.lower()
+    if kind is bool:
+        return {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False}.get(
+            lowered, {"no": False, "off": False}.get(lowered)
+        )
+    if kind is int:
         try:
-            if kind is bool:
-                if text.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if text.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError
-            if kind in (int, float):
-                return kind(text)
-            if kind is str:
-                return text
+            if lowered.endswith("k"):  # a token count like 4k
+                scaled = float(lowered[:-1]) * 1024
+                return int(scaled) if math.isfinite(scaled) and scaled == int(scaled) else None
+            return int(text)
         except ValueError:
-            continue
-    raise ValueError(f"{cls.name}: option {key}={text!r} is not a valid {_type_name(hint)}")
+            return None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    if kind is str:
+        return text
+    return None
 
 
 def parse_method(spec: str | Method, **overrides: Any) -> Method:
-    """A :class:`Method` from ``"name"``, ``"name:key=value,key=value"`` or an instance (+ keyword options)."""
+    """A :class:`Method` from ``"name"``, ``"name:key=value,key=value"`` or an instance (+ keyword options).
+
+    Refused with a one-line ``ValueError`` naming the problem and the way out: an unknown method or option, an
+    option given twice (under its old name too), nothing after ``:``, an empty option, a value of the wrong
+    type, a number that is not finite or beyond any token count (2**31), a fraction budget of 0, and whatever
+    the method's own checks refuse."""
     if isinstance(spec, Method):
-        return dataclasses.replace(spec, **overrides) if overrides else spec
-    name, _, rest = spec.strip().partition(":")
+        return check_budgets(dataclasses.replace(spec, **overrides) if overrides else spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"a method spec is a string like 'window:ratio=0.25', not a {type(spec).__name__}")
+    name, colon, rest = spec.strip().partition(":")
+    name = name.strip()
     import kvweave.methods  # noqa: F401  (registers the built-in methods)
 
     if name not in METHODS:
@@ -231,15 +268,54 @@ def parse_method(spec: str | Method, **overrides: Any) -> Method:
         )
     cls = METHODS[name]
     fields = {f.name for f in dataclasses.fields(cls)}
+    if colon and not rest.strip():
+        raise ValueError(
+            f"{name}: nothing after ':' in {spec.strip()!r}; give options as {name}:key=value or drop the ':'"
+        )
     options: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
+    for item in (p.strip() for p in rest.split(",")) if rest.strip() else ():
         key, eq, text = item.partition("=")
-        if not eq:
+        key = key.strip()
+        if not item:
+            raise ValueError(f"{name}: an empty option in {spec.strip()!r}; remove the extra ','")
+        if not eq or not key:
             raise ValueError(f"{name}: option {item!r} needs the form key=value")
-        options[cls.renamed_options.get(key.strip(), key.strip())] = text.strip()
+        current = cls.renamed_options.get(key, key)
+        if current in options:
+            raise ValueError(f"{name}: option {current!r} is given twice in {spec.strip()!r}; give it once")
+        options[current] = text.strip()
     overrides = {cls.renamed_options.get(key, key): value for key, value in overrides.items()}
     unknown = sorted((set(options) | set(overrides)) - fields)
     if unknown:
         raise ValueError(f"{name}: unknown option(s) {unknown}; allowed: {sorted(fields) or 'none'}")
+    twice = sorted(set(options) & set(overrides))
+    if twice:
+        raise ValueError(f"{name}: option(s) {twice} given in the spec and as keywords; give each once")
     typed = {k: _convert(cls, k, v) for k, v in options.items()}
-    return cls(**typed, **overrides)
+    return check_budgets(cls(**typed, **overrides))
+
+
+FRACTION_KINDS = ("held fraction", "attended fraction")
+"""Budget kinds whose value is a fraction of the prompt: ``0 < value <= 1`` (0 would keep or attend nothing)."""
+
+
+def check_budgets(method: Method) -> Method:
+    """Refuse option values no method means, whatever its own checks allow: a fraction budget outside
+    ``(0, 1]``, a number that is not finite or one beyond any token count (2**31, the width of slots)."""
+    for option_name, value in method.options().items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"{method.name}: option {option_name}={value!r} is not a finite number; give a number"
+            )
+        if abs(value) >= 2**31:
+            raise ValueError(
+                f"{method.name}: option {option_name}={value!r} is out of range; allowed [-2**31, 2**31)"
+            )
+        if method.budget_options.get(option_name) in FRACTION_KINDS and not 0 < value <= 1:
+            raise ValueError(
+                f"{method.name}: option {option_name}={value!r} is out of range; allowed (0, 1] "
+                f"(a {method.budget_options[option_name]} of the prompt)"
+            )
+    return method

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
@@ -15,8 +16,11 @@ def hand_built_layer(
     pad_count: torch.Tensor | None = None,
     scaling: float = 1.0,
 ):
-    """A ``layer_class`` layer holding ``keys, values: [B, H, T, D]`` as a prompt just stored (no eviction yet)."""
+    """A ``layer_class`` layer holding ``keys, values: [B, H, T, D]`` as a prompt just stored (no eviction yet),
+    at their own width (``storage=model``)."""
     values = torch.randn_like(keys) if values is None else values
+    if "storage" in getattr(method, "__dataclass_fields__", {}):  # hold the given keys as they are
+        method = dataclasses.replace(method, storage="model")
     cache = types.SimpleNamespace(method=method, head_dim=keys.shape[-1])
     layer = layer_class(cache, 0)
     layer.lazy_initialization(keys, values)

@@ -169,6 +169,41 @@ def test_nbytes_equals_an_independent_walk_of_every_tensor(name):
     assert cache.nbytes() == walked, f"{name}: nbytes() says {cache.nbytes()} B, its tensors hold {walked} B"
 
 
+STORING = [n for n in NAMES if "storage" in METHODS[n].__dataclass_fields__]
+
+
+@pytest.mark.parametrize("name", STORING)
+def test_exact_tokens_held_at_16_bits_on_a_float32_model(name):
+    """Equal bytes: ``storage=auto`` (the default) holds kept tokens at 16 bits on a float32 model, as a
+    deployed 16-bit cache would, and ``storage=model`` keeps the model's width (the rows before spec 3)."""
+    model = tiny_model("llama")
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    ids = torch.randint(3, 150, (1, 64))
+    held = {}
+    for storage in ("auto", "model"):
+        cache = kvweave.make_cache(parse_method(name, **METHODS[name].test_options, storage=storage), model)
+        with torch.no_grad():
+            model.generate(
+                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, **{cache_kwarg(model): cache}
+            )
+        # DK-Cache's page summaries are bounds of q·k (float32 so they stay bounds), not tokens
+        far = [getattr(layer, "far", None) for layer in cache.layers]
+        bounds = {id(getattr(f, n, None)) for f in far for n in ("page_min", "page_max")}
+        wide = [
+            tuple(t.shape)
+            for t in reachable_tensors(cache)
+            if id(t) not in bounds
+            and t.dtype in (torch.float32, torch.float64)
+            and t.dim() >= 2
+            and t.shape[-1] == head_dim
+            and t.shape[-2] > 1
+        ]
+        held[storage] = (cache.nbytes(), wide)
+    assert not held["auto"][1], f"{name}: float32 token rows held with storage=auto: {held['auto'][1]}"
+    assert held["model"][1], f"{name}: storage=model holds no token rows at the model's width"
+    assert held["auto"][0] < held["model"][0]
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].bounded_memory])
 def test_memory_bounded_during_long_decoding(name):
     model = tiny_model("llama")
@@ -270,15 +305,21 @@ def test_old_rows_keep_their_meaning_when_defaults_change():
     from kvweave.registry import canonical_spec
 
     assert (
-        canonical_spec("dkcache:ratio=0.125", legacy=True) == "dkcache:attended=0.125,decouple=True,bits=16"
+        canonical_spec("dkcache:ratio=0.125", legacy=True)
+        == "dkcache:attended=0.125,decouple=True,bits=16,storage=model"
     )
     assert canonical_spec("depthweave", legacy=True) == "depthweave:decode_tokens=0"
     assert canonical_spec("depthweave") == "depthweave"
+    # spec version 3: exact tokens at 16 bits on float32 models; version-2 rows held them at the model's width
+    assert canonical_spec("window:ratio=0.25", version=2) == "window:ratio=0.25,storage=model"
+    assert canonical_spec("window:ratio=0.25", version=3) == "window:ratio=0.25"
+    assert canonical_spec("dkcache", version=2) == "dkcache:storage=model"
     recorded = parse_method("dkcache:attended=0.25").options()
     assert canonical_spec("dkcache:attended=0.25", recorded) == "dkcache:attended=0.25"
     old = {**recorded, "bits": 16, "decouple": True}
     old["ratio"] = old.pop("attended")
+    del old["storage"]  # an option since spec version 3
     assert (
         canonical_spec("dkcache:ratio=0.25", old, legacy=True)
-        == "dkcache:attended=0.25,decouple=True,bits=16"
+        == "dkcache:attended=0.25,decouple=True,bits=16,storage=model"
     )

@@ -25,14 +25,19 @@ def test_factor_one_equals_full_logits():
     ids = torch.randint(3, 150, (1, 30))
     reference = _decode_logits(model, DynamicCache(config=model.config), ids)
     assert (
-        _decode_logits(model, kvweave.make_cache("pi:factor=1.0", model), ids) - reference
+        _decode_logits(model, kvweave.make_cache("pi:factor=1.0,storage=model", model), ids) - reference
     ).abs().max() <= 1e-5
+    at_16_bits = _decode_logits(model, kvweave.make_cache("pi:factor=1.0", model), ids)  # storage=auto
+    assert (at_16_bits - reference).abs().max() <= 1e-3
 
 
 def test_keys_are_stored_at_interpolated_positions():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 150, (1, 24))
-    reference, cache = DynamicCache(config=model.config), kvweave.make_cache("pi:factor=4.0", model)
+    reference, cache = (
+        DynamicCache(config=model.config),
+        kvweave.make_cache("pi:factor=4.0,storage=model", model),
+    )
     with torch.no_grad():
         model(ids, **{cache_kwarg(model): reference})
         model(ids, **{cache_kwarg(model): cache})

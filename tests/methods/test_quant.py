@@ -154,6 +154,7 @@ def test_group_that_does_not_fit_head_dim_is_refused():
         "residual": 128,
         "chunk": 4096,
         "kernel": "auto",
+        "storage": "auto",
     }
     with pytest.raises(ValueError, match="multiple of 4"):
         kvweave.make_cache("quant:bits=2,group=6", model)

@@ -12,7 +12,15 @@ import kvweave
 import kvweave.methods  # noqa: F401  (fills the registry)
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
-from kvweave.persist import MANIFEST, TENSORS, CacheFileError, load_cache, read_manifest, save_cache
+from kvweave.persist import (
+    MANIFEST,
+    TENSORS,
+    CacheFileError,
+    load_cache,
+    read_manifest,
+    save_cache,
+    with_checksum,
+)
 from kvweave.registry import METHODS, parse_method
 
 NAMES = sorted(METHODS)
@@ -123,9 +131,11 @@ def test_missing_or_foreign_manifest_is_refused(saved, tmp_path):
 
 
 def _with_manifest(folder, tmp_path, manifest, name="kv"):
+    """A copy of the saved cache with ``manifest`` sealed again (an unsealed edit is refused by its checksum,
+    tests/reliability/test_faults.py): what the decoder does with a deliberately edited state."""
     bad = tmp_path / name
     bad.mkdir()
-    (bad / MANIFEST).write_text(json.dumps(manifest))
+    (bad / MANIFEST).write_text(json.dumps(with_checksum(manifest)))
     (bad / TENSORS).write_bytes((folder / TENSORS).read_bytes())
     return bad
 

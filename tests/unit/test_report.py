@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvweave.cli import main
+from kvweave.registry import SPEC_VERSION
 from kvweave.report import data, load_run, render_html, svg, write_report
 
 METHODS = {"full": 1.0, "window:ratio=0.25": 0.25, "window:ratio=0.5": 0.5}
@@ -53,6 +54,7 @@ def fake_rows(model: str = "tiny", methods: dict[str, float] = METHODS) -> list[
                             "prefill_s": 0.5 * context / 1024,
                             "decode_tok_s": 20.0 / (kept + 0.5) * (1 - context / 8192),
                             "key": f"{method}|{task}|{context}|{trial}",
+                            "spec_version": SPEC_VERSION,
                         }
                     )
     return rows
@@ -227,7 +229,8 @@ def write_ppl_run(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rows = [
         {"model": "tiny", "method": method, "corpus": "wiki", "window": 1024, "target": 128, "index": i,
-         "key": f"{method}|wiki|1024|128|{i}", "nll": nll, "kv_bytes": held, "full_kv_bytes": 100, "seconds": 1.0}
+         "key": f"{method}|wiki|1024|128|{i}", "nll": nll, "kv_bytes": held, "full_kv_bytes": 100, "seconds": 1.0,
+         "spec_version": SPEC_VERSION}
         for i in range(2)
         for method, nll, held in [("full", 2.0 + i, 200), ("keydiff:ratio=0.125", 2.5 + i, 25)]
     ]  # fmt: skip
@@ -435,14 +438,53 @@ def test_demo_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
     Factor.name = "factor"
     monkeypatch.setitem(METHODS, "factor", Factor)
-    assert demo.method_spec("factor", {"ratio": 0.25}) == ("factor:target=4", "")
-    assert demo.method_spec("window", {"ratio": 0.25}) == ("window:ratio=0.25", "")
-    assert demo.method_spec("full", {}) == ("full", "")
-    spec, note = demo.method_spec("no-such-method", {"ratio": 0.25})
+    assert demo.method_spec("factor", 4) == ("factor:target=4", "")
+    assert demo.method_spec("factor", 8) == ("factor:target=8", "")
+    assert demo.method_spec("window", 4) == ("window:ratio=0.25", "")
+    assert demo.method_spec("window", 8) == ("window:ratio=0.125", "")
+    assert demo.method_spec("quant", 8) == ("quant:bits=2", "")
+    assert demo.method_spec("dkcache", 4) == ("dkcache:attended=0.25", "")  # attended, not bits=4
+    assert demo.method_spec("full", None) == ("full", "")
+    spec, note = demo.method_spec("no-such-method", 4)
     assert spec is None and "not registered, skipped" in note
     specs, notes = demo.default_methods()
-    assert specs[:2] == ["full", "window:ratio=0.25"]
-    assert all(n.split(":")[0] not in {s.split(":")[0] for s in specs} or "defaults" in n for n in notes)
+    assert specs[:3] == ["full", "window:ratio=0.25", "window:ratio=0.125"]
+    assert "factor:target=4" not in specs  # only the candidates the demo names
+    assert not notes
+
+
+def test_demo_verdict_names_what_kept_accuracy() -> None:
+    from kvweave import demo
+
+    def entry(method, task, accuracy, compression, speed):
+        return {
+            "method": method,
+            "task": task,
+            "accuracy": accuracy,
+            "n": 3,
+            "compression": compression,
+            "kv_bytes": int(2**20 / compression),
+            "decode_tok_s": speed,
+        }
+
+    summary = [
+        entry("full", "passkey", 1.0, 0.5, 10.0),
+        entry("snapkv:ratio=0.125", "passkey", 1.0, 7.9, 12.0),
+        entry("window:ratio=0.125", "passkey", 1 / 3, 7.9, 13.0),
+        entry("snapkv:ratio=0.25", "passkey", 1.0, 3.9, 11.0),
+        entry("dkcache:attended=0.25", "passkey", 1.0, 1.9, 9.0),
+    ]
+    text = demo.verdict(summary, 1024, 3)
+    assert "full scored 100%" in text
+    assert "At 8x or more of a 16-bit cache, snapkv:ratio=0.125 (7.9x, 100%" in text
+    assert "window:ratio=0.125 (7.9x, 33%, decode 1.30x of full) did not" in text
+    assert "At 4x or more of a 16-bit cache, snapkv:ratio=0.25" in text
+    assert "Below 3.6x held: dkcache:attended=0.25" in text and "INT8" in text
+    assert "Fastest decode: window:ratio=0.125 at 1.30x of full" in text
+    line = demo.table_line(
+        "snapkv:ratio=0.125", demo.method_lines(summary)["snapkv:ratio=0.125"], ["passkey"]
+    )
+    assert "100%" in line and "7.90x" in line and "1.20x" in line
 
 
 def test_demo_end_to_end_without_a_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
@@ -476,7 +518,8 @@ def test_demo_end_to_end_without_a_model(monkeypatch: pytest.MonkeyPatch, tmp_pa
     argv = ["demo", "--model", "stub", "--methods", "full,window:ratio=0.25", "--context", "128"]
     assert main([*argv, "--trials", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr()
-    assert "window:ratio=0.25" in printed.out and "4.00" in printed.out  # the table
+    assert "window:ratio=0.25" in printed.out and "4.00x" in printed.out  # its line in the table
+    assert "Verdict (2 trials per task at 128 tokens" in printed.out
     assert "8 trials (8 to run" in printed.err
     for name in ("rows.jsonl", "config.json", "command.txt", "report.html", "summary.md", "summary.csv"):
         assert (out / name).is_file(), name
@@ -745,7 +788,7 @@ def bench_row(method: str, context: int, batch: int = 1, **values: float) -> dic
         "kv_bytes": int(full_16 / compression), "kv_read_bytes": int(full_16 / compression / 2),
         "full_kv_bytes_16bit": full_16, "compression": compression, "weight_bytes": 16 * 2**30,
         "bandwidth_gb_s": 3900.5, "step_bound_ms": 4.5, "peak_bytes": 20 * 2**30,
-        "peak_kind": "cuda allocator peak", "environment": BENCH_ENV,
+        "peak_kind": "cuda allocator peak", "environment": BENCH_ENV, "spec_version": SPEC_VERSION,
     }  # fmt: skip
 
 

@@ -201,6 +201,36 @@ def test_plan_gives_every_method_the_same_samples() -> None:
     assert {t.method for t in trials} == {"full", "window:ratio=0.25", "window:window=64"}
 
 
+def test_method_order_runs_one_method_at_a_time_on_the_same_samples() -> None:
+    methods = ["full", "window:ratio=0.25"]
+    by_sample = runner.plan(small_config(methods=methods))
+    by_method = runner.plan(small_config(methods=methods, order="method"))
+    assert sorted(t.key() for t in by_sample) == sorted(t.key() for t in by_method)
+    names = [t.method for t in by_method]
+    assert names == sorted(names, key=methods.index)  # every full trial before any window trial
+    assert by_sample[0].method == "full" and by_sample[1].method == "window:ratio=0.25"
+    with pytest.raises(ValueError, match="order"):
+        small_config(order="random")
+
+
+def test_shared_prefill_keeps_recordings_within_its_byte_bound() -> None:
+    import torch
+
+    shared = runner.SharedPrefill(max_bytes=2 * 400)
+    for key in ("a", "b"):
+        shared.recorded[key] = ([(torch.zeros(100), torch.zeros(0))], 1.0, 400)
+    shared.make_room()
+    assert list(shared.recorded) == ["a", "b"]  # both fit
+    shared.recorded["c"] = ([], 1.0, 400)
+    shared.make_room()
+    assert list(shared.recorded) == ["b", "c"]  # the oldest goes first
+    only_current = runner.SharedPrefill()
+    only_current.recorded["a"] = ([], 1.0, 400)
+    only_current.make_room()
+    assert not only_current.recorded
+    assert runner._recorded_bytes([(torch.zeros(100), torch.zeros(3))]) == 412
+
+
 # ----------------------------------------------------------------------------------------- summary
 
 

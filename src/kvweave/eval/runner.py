@@ -10,6 +10,10 @@ Every row records the method and options, task, context length, depth, seed, sco
 over the run), the bytes a 16-bit ``DynamicCache`` would hold for the same tokens, prefill seconds, decode
 tokens per second and the trial's peak memory (:class:`PeakMemory`). Rows are appended to ``rows.jsonl`` in the run folder as they finish; a rerun skips the
 finished ones, so an interrupted run loses nothing.
+
+``tp > 1`` (``kvweave eval --tp N``, under ``torchrun``): the model is sharded over the ranks
+(:mod:`kvweave.distributed`); every rank runs every trial, rank 0 alone shows progress and writes the run folder,
+and a row's bytes and peak memory are summed over the ranks (its ``tp`` field says how many).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import platform
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ import torch
 
 from kvweave._compat import TRANSFORMERS_VERSION, cache_kwarg
 from kvweave.cache import make_cache
+from kvweave.distributed import is_main_process, summed_full_kv_bytes, summed_nbytes
 from kvweave.eval import tasks as task_lib
 from kvweave.registry import SPEC_VERSION, parse_method
 
@@ -50,10 +55,18 @@ class EvalConfig:
     beyond_trained: bool = False
     max_new_tokens: int | None = None
     shared_prefill: bool = True
+    tp: int = 1  # tensor-parallel ranks the model is sharded over (run under torchrun with as many processes)
+    order: str = (
+        "sample"  # "sample": every method on one sample, then the next; "method": one method at a time
+    )
 
     def __post_init__(self) -> None:
+        if self.order not in ("sample", "method"):
+            raise ValueError(f"order must be 'sample' or 'method', got {self.order!r}")
         if self.trials < 1:
             raise ValueError(f"--trials must be at least 1, got {self.trials}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be at least 1, got {self.tp}")
         for task in self.tasks:
             if task not in task_lib.TASKS:
                 raise ValueError(f"unknown task {task!r}; available: {', '.join(task_lib.TASKS)}")
@@ -101,14 +114,24 @@ class Trial:
 
 
 def plan(config: EvalConfig) -> list[Trial]:
-    """All trials of a run, in a stable order (the same sample for every method)."""
+    """All trials of a run, in a stable order (the same sample for every method): sample by sample, every
+    method on each, or with ``order="method"`` method by method, so each method's rows are complete early."""
     depth_list = task_lib.depths(config.trials)
-    return [
-        Trial(task, context, parse_method(spec).spec(), trial, depth_list[trial], config.seed * 1000 + trial)
+    samples = [
+        (task, context, trial)
         for task in config.tasks
         for context in config.contexts
         for trial in range(config.trials)
-        for spec in config.methods
+    ]
+    specs = [parse_method(spec).spec() for spec in config.methods]
+    pairs = (
+        [(sample, spec) for spec in specs for sample in samples]
+        if config.order == "method"
+        else [(sample, spec) for sample in samples for spec in specs]
+    )
+    return [
+        Trial(task, context, spec, trial, depth_list[trial], config.seed * 1000 + trial)
+        for (task, context, trial), spec in pairs
     ]
 
 
@@ -166,25 +189,45 @@ class FirstLineDone:
 
 
 class SharedPrefill:
-    """The exact prefill of the current sample, recorded once and replayed into each method's cache."""
+    """Exact prefills of samples, recorded once and replayed into each method's cache.
 
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] | None = None
-        self.recorded: list[Any] = []
-        self.seconds = 0.0
+    Before a new sample is recorded, the oldest recordings are dropped until the rest fit ``max_bytes``
+    (0: all of them): sample-major runs need only the current one, method-major runs (the demo) reuse every
+    sample's recording across methods."""
+
+    def __init__(self, max_bytes: int = 0) -> None:
+        self.max_bytes = max_bytes
+        self.recorded: dict[
+            tuple[Any, ...], tuple[list[Any], float, int]
+        ] = {}  # key -> steps, seconds, bytes
 
     def fill(self, model: Any, cache: Any, prefill_ids: list[int], key: tuple[Any, ...]) -> float:
         """Fill ``cache``; returns the prefill seconds charged to it (shared prefill + its own replay)."""
         from kvweave.eval.prefill import record_prefill, replay_prefill
 
-        if self.key != key:
-            self.recorded = []  # free the previous sample first
+        if key not in self.recorded:
+            self.make_room()
             start = time.perf_counter()
-            self.recorded = record_prefill(model, torch.tensor([prefill_ids]))
-            self.seconds, self.key = time.perf_counter() - start, key
+            steps = record_prefill(model, torch.tensor([prefill_ids]))
+            self.recorded[key] = (steps, time.perf_counter() - start, _recorded_bytes(steps))
+        steps, seconds, _ = self.recorded[key]
         start = time.perf_counter()
-        replay_prefill(cache, self.recorded)
-        return self.seconds + time.perf_counter() - start
+        replay_prefill(cache, steps)
+        return seconds + time.perf_counter() - start
+
+    def make_room(self) -> None:
+        """Drop the oldest recordings until the rest fit ``max_bytes``."""
+        while self.recorded and sum(entry[2] for entry in self.recorded.values()) > self.max_bytes:
+            del self.recorded[next(iter(self.recorded))]
+
+
+def _recorded_bytes(steps: list[Any]) -> int:
+    """Bytes of the tensors of a recorded prefill."""
+    total = 0
+    for step in steps:
+        tensors = vars(step).values() if dataclasses.is_dataclass(step) else step
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
 
 
 class PeakMemory:
@@ -255,7 +298,8 @@ def run_trial(
         with torch.no_grad():
             model(torch.tensor([prefill_ids]), **{kw: cache}, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
-    held_after_prefill = cache.nbytes()
+    # the whole cache: under tensor parallelism summed over the ranks
+    held_after_prefill = summed_nbytes(cache)
 
     spec = task_lib.TASKS[trial.task]
     max_new = config.max_new_tokens or spec.max_new_tokens
@@ -277,9 +321,12 @@ def run_trial(
     prediction = tokenizer.decode(new_ids, skip_special_tokens=True)
     steps = len(clock.times) - 1
     decode_s = clock.times[-1] - clock.times[0] if steps > 0 else float("nan")
-    held = max(held_after_prefill, cache.nbytes())
-    full_bytes = cache.full_kv_bytes(bits=16)
-    return {
+    held = max(held_after_prefill, summed_nbytes(cache))
+    full_bytes = summed_full_kv_bytes(cache, bits=16)
+    peak_bytes = peak.read()
+    if cache.tp is not None and peak_bytes is not None:  # every rank's process holds its share
+        peak_bytes = cache.tp.sum(peak_bytes)
+    row = {
         "model": config.model,
         "method": trial.method,
         "spec_version": SPEC_VERSION,
@@ -306,10 +353,13 @@ def run_trial(
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
         "attended": attended_entries(cache),
-        "peak_memory_bytes": peak.read(),
-        "peak_memory_kind": peak.kind,
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_kind": peak.kind if cache.tp is None else f"{peak.kind}_summed_over_ranks",
         "key": trial.key(),
     }
+    if cache.tp is not None:
+        row["tp"] = cache.tp.size
+    return row
 
 
 def attended_entries(cache: Any) -> float | None:
@@ -452,31 +502,42 @@ def run(
     out_dir: Path | None = None,
     progress: bool = True,
     model_and_tokenizer: tuple[Any, Any] | None = None,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    shared_bytes: int = 0,
 ) -> list[dict[str, Any]]:
-    """Run (or resume) an evaluation; returns all rows of the run (old and new)."""
+    """Run (or resume) an evaluation; returns all rows of the run (old and new).
+
+    ``on_row(row)`` is called after each row is written; ``shared_bytes`` bounds the recorded prefills kept
+    for replay (0: only the current sample's, which is all a sample-major run needs)."""
     from tqdm import tqdm
 
     todo = plan(config)
     rows_path = None
     done: set[str] = set()
+    # Under tensor parallelism every rank reads the finished rows itself: rank 0, the only writer, cannot finish a
+    # row before every rank has loaded the model (loading starts the process group), so all ranks see one list.
+    writer = is_main_process()
     if out_dir is not None:
         check_resumable(out_dir / "rows.jsonl", todo, config)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(
-            json.dumps({"config": dataclasses.asdict(config), "environment": environment()}, indent=2)
-        )
         rows_path = out_dir / "rows.jsonl"
+        if writer:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.json").write_text(
+                json.dumps({"config": dataclasses.asdict(config), "environment": environment()}, indent=2)
+            )
         done = finished_keys(rows_path)
-        _end_with_newline(rows_path)
+        if writer:
+            _end_with_newline(rows_path)
     todo = [t for t in todo if t.key() not in done]
     if model_and_tokenizer is None and todo:
         from kvweave.models import load_model
 
-        model_and_tokenizer = load_model(config.model, dtype=config.dtype)
+        tp_plan = "auto" if config.tp > 1 else None
+        model_and_tokenizer = load_model(config.model, dtype=config.dtype, tp_plan=tp_plan)
     rows: list[dict[str, Any]] = []
     samples: dict[tuple[str, int, int], task_lib.Sample] = {}
-    shared = SharedPrefill() if config.shared_prefill else None
-    bar = tqdm(todo, desc="eval", unit="trial", disable=not progress, dynamic_ncols=True)
+    shared = SharedPrefill(shared_bytes) if config.shared_prefill else None
+    bar = tqdm(todo, desc="eval", unit="trial", disable=not (progress and writer), dynamic_ncols=True)
     for trial in bar:
         bar.set_postfix_str(f"{trial.method} {trial.task} {trial.context}")
         assert model_and_tokenizer is not None
@@ -494,11 +555,13 @@ def run(
             )
         row = run_trial(model, tokenizer, config, trial, samples[sample_key], shared)
         rows.append(row)
-        if rows_path is not None:
+        if rows_path is not None and writer:
             with rows_path.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
+        if on_row is not None:
+            on_row(row)
     if out_dir is not None:
         return read_rows(out_dir)
     return rows
@@ -556,7 +619,7 @@ def add_speed_ratios(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_table(summary: list[dict[str, Any]]) -> str:
     """A plain-text table of a summary."""
     header = (
-        f"{'method':<34} {'task':<16} {'context':>7} {'acc':>6} {'n':>3} {'KV MB':>8} {'x':>6} "
+        f"{'method':<34} {'task':<16} {'context':>7} {'acc':>6} {'n':>3} {'KV MiB':>8} {'x':>6} "
         f"{'prefill s':>9} {'tok/s':>6} {'vs full':>7}"
     )
     lines = [header, "-" * len(header)]

@@ -1,5 +1,8 @@
 """Building kvweave's C++ CPU kernels on first use (``torch.utils.cpp_extension.load_inline``), once per machine.
 
+Builds live under ``$KVWEAVE_HOME/kernels`` (:func:`build_folder`), not torch's own extension folder; a first
+build says so on stderr and how long it took.
+
 A kernel that cannot be built (no compiler, no ninja, ``KVWEAVE_NO_CPP=1``) is reported, not fatal: callers
 use their torch reference path, and say which one ran.
 """
@@ -7,8 +10,22 @@ use their torch reference path, and say which one ran.
 from __future__ import annotations
 
 import os
+import sys
+import time
 import warnings
+from pathlib import Path
 from typing import Any
+
+
+def build_folder(name: str) -> Path:
+    """Where kernel ``name`` is built: ``$KVWEAVE_HOME/kernels/torch-<version>-py<major><minor>/<name>``
+    (one folder per torch and Python version, so a new venv with the same versions reuses the build)."""
+    import torch
+
+    from kvweave.models import kvweave_home
+
+    version = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return kvweave_home() / "kernels" / version / name
 
 
 def build(
@@ -24,14 +41,29 @@ def build(
     try:
         from torch.utils import cpp_extension
 
+        folder = build_folder(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        fresh = not any(folder.glob("*.so"))
+        if fresh:
+            print(
+                f"kvweave: building the C++ kernel {name} in {folder} (once per machine and torch version, "
+                "about a minute)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        start = time.perf_counter()
         module = cpp_extension.load_inline(
             name=name,
             cpp_sources=[declarations, source.replace("#include <torch/extension.h>", "")],
             functions=functions,
             extra_cflags=["-O3", "-march=native", "-fopenmp" if openmp else "-fopenmp-simd"],
             extra_ldflags=["-fopenmp"] if openmp else [],
+            build_directory=str(folder),
             verbose=False,
         )
+        seconds = time.perf_counter() - start
+        if fresh or seconds > 5:  # a first build, or a rebuild after the source changed
+            print(f"kvweave: C++ kernel {name} ready ({seconds:.0f} s)", file=sys.stderr, flush=True)
         return module, None
     except Exception as exc:  # no compiler, no ninja, unsupported platform: report and use the torch path
         text = str(exc).strip()

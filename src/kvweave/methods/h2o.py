@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvweave.methods._eviction import EvictingLayer, check_budget
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -31,10 +32,12 @@ class H2O(Method):
     budget: int = option(1024, "entries kept per KV head (ignored when ratio is set)")
     ratio: float | None = option(None, "fraction of each row's prompt tokens kept (overrides budget)")
     recent: float = option(0.5, "fraction of the budget reserved for the most recent tokens")
+    storage: str = option("auto", STORAGE_HELP)
 
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"ratio": 0.4, "recent": 0.5}
     invalid_options = (
         ({"budget": 0}, "budget"),
@@ -45,6 +48,7 @@ class H2O(Method):
 
     def __post_init__(self) -> None:
         check_budget(self)
+        self.check_choice("storage", STORAGE_CHOICES)
         self.check_range("recent", 0.0, 1.0)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> H2OLayer:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvweave.methods._eviction import EvictingLayer, check_budget
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -32,15 +33,18 @@ class KeyDiff(Method):
 
     budget: int = option(1024, "entries kept per KV head (ignored when ratio is set)")
     ratio: float | None = option(None, "fraction of each row's prompt tokens kept (overrides budget)")
+    storage: str = option("auto", STORAGE_HELP)
 
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"budget": 16}
     invalid_options = (({"budget": 0}, "budget"), ({"ratio": 1.5}, "ratio"), ({"ratio": -0.5}, "ratio"))
 
     def __post_init__(self) -> None:
         check_budget(self)
+        self.check_choice("storage", STORAGE_CHOICES)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> KeyDiffLayer:
         return KeyDiffLayer(cache, layer_idx)

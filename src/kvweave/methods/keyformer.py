@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvweave.methods._eviction import CHUNK_ELEMENTS, EvictingLayer, check_budget, gumbel_noise
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -39,10 +40,12 @@ class Keyformer(Method):
     tau_end: float = option(2.0, "temperature reached after `steps` generated tokens")
     steps: int = option(100, "generated tokens over which the temperature rises")
     seed: int = option(0, "seed of the Gumbel noise")
+    storage: str = option("auto", STORAGE_HELP)
 
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"ratio": 0.4}
     invalid_options = (
         ({"budget": 0}, "budget"),
@@ -56,6 +59,7 @@ class Keyformer(Method):
 
     def __post_init__(self) -> None:
         check_budget(self)
+        self.check_choice("storage", STORAGE_CHOICES)
         self.check_range("recent", 0.0, 1.0)
         self.check_range("tau_init", 1e-3)
         self.check_range("tau_end", 1e-3)
@@ -104,7 +108,9 @@ class KeyformerLayer(EvictingLayer):
             b, h, g = logits.shape[:3]
             query_index = torch.arange(first + start, first + start + rows, device=self.device)
             query_index = (query_index.view(1, 1, 1, -1, 1) - pads).clamp(min=0)  # [B, 1, 1, rows, 1]
-            head = torch.arange(h * g, device=self.device).view(1, h, g, 1, 1)
+            # the global query head: under tensor parallelism rank r draws the noise one process draws for its heads
+            first_head = getattr(self.cache, "kv_head_offset", 0) * g
+            head = torch.arange(first_head, first_head + h * g, device=self.device).view(1, h, g, 1, 1)
             noise = gumbel_noise(
                 method.seed, self.layer_idx, head, query_index, key_index[..., : logits.shape[-1]]
             )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvweave.cache import CompressedLayer
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -31,15 +32,18 @@ class PositionInterpolation(Method):
     """Linear RoPE position interpolation (positions divided by ``factor``); no compression."""
 
     factor: float = option(2.0, "positions are divided by this factor")
+    storage: str = option("auto", STORAGE_HELP)
 
     needs_positions = True
     exact_prefill = False  # the prompt itself is attended at interpolated positions
     compresses = False
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"factor": 2.0}
     invalid_options = (({"factor": 0.5}, "factor"), ({"factor": 0.0}, "factor"))
 
     def __post_init__(self) -> None:
         self.check_range("factor", 1.0)
+        self.check_choice("storage", STORAGE_CHOICES)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> InterpolatedLayer:
         return InterpolatedLayer(cache, layer_idx)

@@ -44,6 +44,7 @@ from kvweave.ops.quantize import (
     unpack_codes,
     unpack_codes_split,
 )
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 from kvweave.state import Stateful
 
@@ -65,8 +66,10 @@ class Quant(Method):
         "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'torch' "
         "(the reference), or 'auto' (cpp on CPU when it builds, else torch)",
     )
+    storage: str = option("auto", STORAGE_HELP)
 
     budget_options = {"bits": "bits"}
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"bits": 4, "group": 8, "residual": 8, "chunk": 16}
     invalid_options = (
         ({"bits": 3}, "bits"),
@@ -81,6 +84,7 @@ class Quant(Method):
         self.check_range("residual", 0)
         self.check_range("chunk", 1)
         self.check_choice("kernel", ["auto", "cpp", "torch"])
+        self.check_choice("storage", STORAGE_CHOICES)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> QuantLayer:
         head_dim = cache.head_dim
@@ -224,15 +228,15 @@ class QuantLayer(CompressedLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         b, h, _, d = key_states.shape
-        self.recent_keys = key_states.new_empty(b, h, 0, d)
-        self.recent_values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.recent_keys = key_states.new_empty(b, h, 0, d, dtype=self.store_dtype)
+        self.recent_values = value_states.new_empty(b, h, 0, value_states.shape[-1], dtype=self.store_dtype)
         self.recent_count = torch.zeros(b, dtype=torch.int64, device=self.device)
         self.block_start = torch.zeros(b, 0, dtype=torch.int64, device=self.device)
 
     # -- storage
     def append(self, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None) -> None:
-        self.recent_keys = torch.cat([self.recent_keys, key], dim=2)
-        self.recent_values = torch.cat([self.recent_values, value], dim=2)
+        self.recent_keys = torch.cat([self.recent_keys, self.stored(key)], dim=2)
+        self.recent_values = torch.cat([self.recent_values, self.stored(value)], dim=2)
         self.recent_count = self.recent_count + key.shape[2]
 
     def drop_padding(self, pad_count: torch.Tensor) -> None:
@@ -262,8 +266,8 @@ class QuantLayer(CompressedLayer):
         count = blocks * self.group
         index = (oldest.view(-1, 1) + torch.arange(count, device=self.device)).clamp(max=e - 1)
         gather = index.view(b, 1, count, 1).expand(-1, h, -1, d)
-        keys = self.recent_keys.gather(2, gather).view(b, h, blocks, self.group, d)
-        values = self.recent_values.gather(2, gather).view(b, h, blocks, self.group, d)
+        keys = self.computed(self.recent_keys.gather(2, gather)).view(b, h, blocks, self.group, d)
+        values = self.computed(self.recent_values.gather(2, gather)).view(b, h, blocks, self.group, d)
         start_token = self.seen - self.recent_count  # [B] token index of each row's oldest exact token
         return keys, values, start_token
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvweave.methods._eviction import EvictingLayer, check_budget
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -33,9 +34,11 @@ class SnapKV(Method):
     window: int = option(32, "observation window: last prompt queries that score, always kept")
     kernel: int = option(7, "pooling width over the scores (odd; 1 = no pooling)")
     pooling: str = option("max", "max or avg pooling of the scores")
+    storage: str = option("auto", STORAGE_HELP)
 
     evicts = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"budget": 16, "window": 4, "kernel": 3}
     invalid_options = (
         ({"budget": 0}, "budget"),
@@ -48,6 +51,7 @@ class SnapKV(Method):
 
     def __post_init__(self) -> None:
         check_budget(self)
+        self.check_choice("storage", STORAGE_CHOICES)
         self.check_range("window", 1)
         self.check_range("kernel", 1)
         if self.kernel % 2 == 0:

@@ -18,6 +18,7 @@ from kvweave.cache import CompressedLayer
 from kvweave.methods.pi import rerotate, token_positions
 from kvweave.ops.attention import masked_attention
 from kvweave.ops.masking import visible_mask
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -35,10 +36,12 @@ class Window(Method):
         None, "fraction of the prompt kept (sets window at prefill; overrides window)"
     )
     positions: str = option("keep", "keep: original RoPE positions; shift: positions inside the cache")
+    storage: str = option("auto", STORAGE_HELP)
 
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "window": "held tokens"}
+    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"window": 8, "sinks": 2}
     invalid_options = (
         ({"window": 0}, "window"),
@@ -53,6 +56,7 @@ class Window(Method):
         if self.ratio is not None:
             self.check_range("ratio", 0.0, 1.0)
         self.check_choice("positions", ["keep", "shift"])
+        self.check_choice("storage", STORAGE_CHOICES)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> WindowLayer:
         return WindowLayer(cache, layer_idx, self)
@@ -97,14 +101,14 @@ class WindowLayer(CompressedLayer):
         else:
             rotary = self.cache.rotary_for(self.layer_idx)
             positions = self.cache_positions()  # [B, H, T]
-            held: torch.Tensor = self.keys
+            held: torch.Tensor = self.computed(self.keys)
             keys = rotary.rotate(held, positions)
             # each new query sits at the in-cache index of its own entry (the last q_len entries)
             query_positions = positions[:, 0, -q_len:]
             token = token_positions(kwargs, first, q_len, self.rows, query.device)
             query = rerotate(rotary, query, token, query_positions)
             mask = visible_mask(attention_mask, self.held_slots(), first, q_len)
-            out = masked_attention(query, keys, self.values, mask, kwargs.get("scaling"))
+            out = masked_attention(query, keys, self.computed(self.values), mask, kwargs.get("scaling"))
         self.after_attention(query, attention_mask, first)
         return out
 

@@ -93,10 +93,10 @@ def load_run(path: str | Path) -> Run:
     for row in rows + ppl:  # rows written before an option was renamed or a default changed: today's spec
         if isinstance(row.get("method"), str):
             options = row.get("options") if isinstance(row.get("options"), dict) else None
-            row["method"] = canonical_spec(row["method"], options, legacy="spec_version" not in row)
-    for row in bench:  # `kvweave bench` rows are all of the current vocabulary
+            row["method"] = canonical_spec(row["method"], options, version=row.get("spec_version", 1))
+    for row in bench:  # `kvweave bench` rows: version 2 or later (older ones are of the same vocabulary)
         if isinstance(row.get("method"), str):
-            row["method"] = canonical_spec(row["method"])
+            row["method"] = canonical_spec(row["method"], version=row.get("spec_version", 2))
     run = Run(folder, rows, config, meta.get("environment", {}), command, ppl, bench)
     if bench:
         run.bench_command = bench_command(command_path)
@@ -120,7 +120,7 @@ def load_bench_file(path: Path) -> Run:
         )
     for row in bench:
         if isinstance(row.get("method"), str):
-            row["method"] = canonical_spec(row["method"])
+            row["method"] = canonical_spec(row["method"], version=row.get("spec_version", 2))
     return Run(path, [], bench=bench, bench_command=bench_command(path.parent / "command.txt"))
 
 

@@ -110,6 +110,7 @@ from kvweave.methods.depthweave.router import (
     router_score,
 )
 from kvweave.methods.depthweave.store import COORD_GROUP, RowStore, Segment
+from kvweave.ops.storage import STORAGE_CHOICES, storage_dtype
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -210,7 +211,7 @@ class DepthWeave(Method):
     cross_layer = True
     budget_options = {"compression": "compression", "decode_tokens": "attended tokens"}
     renamed_options = {"target_ratio": "compression"}
-    legacy_defaults = {"decode_tokens": 0}
+    legacy_defaults = {2: {"decode_tokens": 0}}
     test_options = {
         "recent": 8,
         "block": 8,
@@ -279,7 +280,7 @@ class DepthWeave(Method):
         self.check_range("recent", 0)
         self.check_range("block", 1)
         self.check_range("drift", 1.0)
-        self.check_choice("storage", ["auto", "float16", "bfloat16", "model"])
+        self.check_choice("storage", STORAGE_CHOICES)
         self.check_range("weighting", 0.0)
 
     @property
@@ -300,9 +301,7 @@ class DepthWeave(Method):
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of everything stored at 16 bits (``model``: the model's own, also when it is float32)."""
-        if self.storage == "model" or (self.storage == "auto" and model_dtype.itemsize == 2):
-            return model_dtype
-        return torch.bfloat16 if self.storage == "bfloat16" else torch.float16
+        return storage_dtype(self.storage, model_dtype)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> DepthWeaveLayer:
         return DepthWeaveLayer(cache, layer_idx, self)

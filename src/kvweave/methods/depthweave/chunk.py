@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvweave.distributed import TensorParallel
 
 HI, MID, LO, EVICTED, EXACT = 0, 1, 2, 3, 4  # token kinds in a plan
 
@@ -22,6 +26,9 @@ class Chunk:
     attention: torch.Tensor  # [n] attention received (router signal)
     content: torch.Tensor | None  # [n] token-content signal, when token ids were given
     sink: torch.Tensor | None  # [n] bool, attention sinks (prefill only)
+    # tensor parallelism: the ranks holding the group's other heads, over which the probe errors and the router's
+    # novelty are all-reduced (kvweave.distributed); None in one process
+    tp: TensorParallel | None = None
 
     @property
     def size(self) -> int:

@@ -9,6 +9,7 @@ drops them from the buffers. Layers never touch each other's buffers.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,10 @@ from kvweave.state import Stateful
 
 if TYPE_CHECKING:
     from kvweave.methods.depthweave.layer import DepthWeaveLayer
+
+
+_WARNED: set[tuple[float, int]] = set()
+"""(target, prompt length // 256) already warned about (one warning each per process)."""
 
 
 class RecentBuffer(Stateful):
@@ -150,6 +155,10 @@ class WeaveGroup(Stateful):
         factor_keys = [rotary.unrotate(k.float(), positions) if rotary else k.float() for k in keys]
         scores = [buffer.score[:, :count] for buffer in buffers]  # type: ignore[index]
         attention = torch.stack(scores).mean(0)
+        tp = getattr(self.cache, "tp", None)
+        # all-reduced under tensor parallelism: each rank's mean over its heads -> the mean over all heads
+        if tp is not None:
+            attention = tp.all_reduce(attention, "mean")
         context = self.cache.context
         content = content_scores(context.prompt_ids, context.tokenizer, slots, rows) if first == 0 else None
         pad_count: torch.Tensor = owner.pad_count  # type: ignore[assignment]
@@ -173,6 +182,7 @@ class WeaveGroup(Stateful):
                 attention=attention[b, real],
                 content=None if content is None else content[b, real],
                 sink=(slots[real] - pad_count[b]) < self.method.sinks if first == 0 else None,
+                tp=tp,
             )
             probe = None
             if all(buffer.queries is not None for buffer in buffers):
@@ -192,6 +202,26 @@ class WeaveGroup(Stateful):
             add_chunk(store, chunk, probe, rotary, budget)
         for buffer in buffers:
             buffer.drop(count)
+        if first == 0 and self.index == 0:
+            self.warn_if_short_of_target(owner.seen)
+
+    def warn_if_short_of_target(self, tokens: int) -> None:
+        """Say so when the prompt is too short for ``compression`` (its recent buffer, sinks and page summaries
+        are held whatever the budget): once per target and prompt length (to 256 tokens), for group 0."""
+        target = self.method.compression
+        if self.method.target_error is not None or not target:
+            return
+        reached = self.summary().get("group_compression")
+        key = (target, tokens // 256)
+        if reached is None or reached >= 0.9 * target or key in _WARNED:
+            return
+        _WARNED.add(key)
+        warnings.warn(
+            f"depthweave: compression={target:g} reached {reached:.2f}x on this {tokens}-token prompt (layer "
+            f"group 0): the {self.method.recent} newest tokens, {self.method.sinks} sinks and the page summaries "
+            "are held whatever the budget; longer prompts come closer, or lower recent= / decode_tokens=",
+            stacklevel=2,
+        )
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the row stores of batch rows ``rows`` (each member selects its own buffer's rows)."""

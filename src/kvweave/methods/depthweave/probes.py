@@ -26,6 +26,7 @@ class Probe:
         causal = chunk.slots.view(1, -1) <= query_slots.view(-1, 1)  # [p, n]
         self.causal = causal.repeat(g, 1)
         self.scalings = scalings
+        self.tp = chunk.tp
         self.exact = [
             self.attend(i, k.float(), v.float(), None)
             for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True))
@@ -40,8 +41,24 @@ class Probe:
         return probs @ values
 
     def error(self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor) -> float:
+        if self.tp is not None:
+            return self.error_over_ranks(keys, values, keep)
         errors = []
         for i, exact in enumerate(self.exact):
             approx = self.attend(i, keys[i], values[i], keep)
             errors.append(((approx - exact).norm() / exact.norm().clamp_min(1e-12)).item())
         return sum(errors) / len(errors)
+
+    def error_over_ranks(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor
+    ) -> float:
+        """:meth:`error` under tensor parallelism, all-reduced: each rank holds some of the heads, so the squared
+        norms of ``O − Ô`` and ``O`` are summed over the ranks and every rank gets the error over all heads (and
+        chooses the same ranks, and refreshes at the same folds)."""
+        squares = []
+        for i, exact in enumerate(self.exact):
+            approx = self.attend(i, keys[i], values[i], keep)
+            error, norm = (approx - exact).double().square().sum(), exact.double().square().sum()
+            squares.append(torch.stack([error, norm]))
+        total = self.tp.all_reduce(torch.stack(squares))  # type: ignore[union-attr]  # [layers, 2]
+        return float((total[:, 0].sqrt() / total[:, 1].sqrt().clamp_min(1e-12)).mean())

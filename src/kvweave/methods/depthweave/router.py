@@ -44,6 +44,8 @@ def novelty_score(chunk: Chunk, basis_k: torch.Tensor, basis_v: torch.Tensor) ->
     for x, basis in ((chunk.x_k, basis_k), (chunk.x_v, basis_v)):
         residual = x - (x @ torch.linalg.pinv(basis)) @ basis
         energy = residual.square().sum(1)
+        if chunk.tp is not None:  # all-reduced: the energy over every head's columns (each rank holds some)
+            energy = chunk.tp.all_reduce(energy)
         score += energy / energy.mean().clamp_min(1e-12)
     return score
 

@@ -84,6 +84,7 @@ from kvweave.methods.dkcache.positions import (
     remapped_distance,
 )
 from kvweave.methods.dkcache.tiers import decouple_keys, measure_key_shift, steady_mean
+from kvweave.ops.storage import STORAGE_CHOICES, STORAGE_HELP
 from kvweave.registry import Method, option, register
 
 if TYPE_CHECKING:
@@ -176,9 +177,12 @@ class DKCache(Method):
         "above which far pages are retrieved",
     )
     bits: int = option(
-        8, "steady and far storage: 8 = INT8 per token (the default), 16 = the model's dtype (4 is refused)"
+        8, "steady and far storage: 8 = INT8 per token (the default), 16 = exact at `storage` (4 is refused)"
     )
-    far_dtype: str = option("model", "far-tier storage: model (the model's dtype) or int8 (per-token scales)")
+    far_dtype: str = option(
+        "model", "far-tier storage: model (exact, at `storage`) or int8 (per-token scales)"
+    )
+    storage: str = option("auto", STORAGE_HELP)
     offload: bool = option(False, "keep the far tier in host memory when the model is on an accelerator")
     kernel: str = option(
         "auto",
@@ -206,7 +210,7 @@ class DKCache(Method):
     exact_prefill = False
     budget_options = {"attended": "attended fraction", "bits": "bits"}
     renamed_options = {"ratio": "attended"}
-    legacy_defaults = {"bits": 16, "decouple": True}
+    legacy_defaults = {2: {"bits": 16, "decouple": True}, 3: {"storage": "model"}}
     test_options = {"core": 4, "steady": 16, "page": 8, "pages": 2, "sinks": 2, "far_dtype": "int8"}
     invalid_options = (
         ({"alpha": 0.6}, "alpha"),
@@ -256,6 +260,7 @@ class DKCache(Method):
         self.check_range("entropy_threshold", 0.0, 1.0)
         self.check_choice("key_storage", ["pre_rope", "post_rope"])
         self.check_choice("far_dtype", ["model", "int8"])
+        self.check_choice("storage", STORAGE_CHOICES)
         self.check_choice("kernel", ["auto", "cpp", "torch"])
         self.check_choice("path", PATHS)
         self.check_range("flash_chunk", 1)

@@ -103,9 +103,12 @@ class FarTier(Stateful):
         positions: torch.Tensor,
         first_slot: int,
         pad: list[int],
+        store_dtype: torch.dtype | None = None,
     ) -> None:
-        """Store a block of consecutive slots ``first_slot ..`` (``keys, values: [B, H, n, D]``)."""
+        """Store a block of consecutive slots ``first_slot ..`` (``keys, values: [B, H, n, D]``; exact pages
+        and the sinks at ``store_dtype``, default theirs)."""
         n = keys.shape[2]
+        exact_keys, exact_values = keys.to(store_dtype or keys.dtype), values.to(store_dtype or values.dtype)
         if not self.lengths:
             self.lengths = [0] * keys.shape[0]
         starts = [first_slot - p for p in pad]  # real index of the block's first token, per row
@@ -113,16 +116,16 @@ class FarTier(Stateful):
         if self.sinks and min(starts) < self.sinks:
             if not self.sink:
                 self.sink = {
-                    "keys": keys.new_zeros(*keys.shape[:2], self.sinks, keys.shape[3]),
-                    "values": values.new_zeros(*values.shape[:2], self.sinks, values.shape[3]),
+                    "keys": exact_keys.new_zeros(*keys.shape[:2], self.sinks, keys.shape[3]),
+                    "values": exact_values.new_zeros(*values.shape[:2], self.sinks, values.shape[3]),
                     "positions": positions.new_zeros(keys.shape[0], self.sinks),
                 }
             source = torch.arange(self.sinks, device=keys.device).view(1, -1) - start
-            for name, block in (("keys", keys), ("values", values), ("positions", positions)):
+            for name, block in (("keys", exact_keys), ("values", exact_values), ("positions", positions)):
                 _write_range(self.sink[name], 2 if name != "positions" else 1, 0, block, source)
         low, high = max(0, min(starts) - self.sinks), max(0, max(starts) + n - self.sinks)
         if self.keep_pages and high > low:
-            self._reserve(high, keys, values)
+            self._reserve(high, exact_keys, exact_values)
             source = (torch.arange(low, high, device=keys.device).view(1, -1) + self.sinks - start).to(
                 self.device
             )
@@ -134,7 +137,7 @@ class FarTier(Stateful):
                     quantize_int8(values),
                 )
             else:
-                blocks["keys"], blocks["values"] = keys, values
+                blocks["keys"], blocks["values"] = exact_keys, exact_values
             for name, block in blocks.items():
                 _write_range(
                     self.store[name],

@@ -173,7 +173,7 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
         self.aligned = self.aligned and step.aligned
         stored = key if self.rotated else self.table.unrotate(key, step.positions)  # type: ignore[union-attr]
         self.seen += q_len
-        self.core_tier.append(stored, value, step.positions)
+        self.core_tier.append(stored, value, step.positions, self.store_dtype)
         fast = self.method.path == "fast"
         if first == 0:
             out = self._prefill_attention(
@@ -411,7 +411,12 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
         assert self.far is not None
         rows_on = torch.ones(self.rows, dtype=torch.bool, device=self.device)
         if self.method.retrieve == "entropy" and self.last_entropy is not None:
-            rows_on = self.last_entropy > self.method.entropy_threshold
+            entropy = self.last_entropy  # [B], mean over this cache's heads
+            # all-reduced under tensor parallelism: every rank gates on the mean over all heads, as one process
+            tp = getattr(self.cache, "tp", None)
+            if tp is not None:
+                entropy = tp.all_reduce(entropy, "mean")
+            rows_on = entropy > self.method.entropy_threshold
             if not bool(rows_on.any()):
                 return None
         self._refresh_summaries(dtype)
@@ -442,7 +447,7 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
             if self.held_group is not None:  # the core is pre-RoPE, steady keys are held at grouped positions
                 keys = self.table.rotate(keys, positions // self.held_group)  # type: ignore[union-attr]
             self.steady_tier.first_slot = slot if not len(self.steady_tier) else self.steady_tier.first_slot
-            stored = self.steady_tier.append(keys, values, positions)
+            stored = self.steady_tier.append(keys, values, positions, self.store_dtype)
             self._update_mean(stored, positions, slot, +1)
         overflow = len(self.steady_tier) - (self.steady_bound - self.core_size)
         if overflow > 0:
@@ -457,7 +462,7 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
                     keep_pages=self.method.retrieve != "never",
                     device=far_device(self.device, self.method.offload),
                 )
-            self.far.add(keys, values, positions, slot, self.pad)
+            self.far.add(keys, values, positions, slot, self.pad, self.store_dtype)
         if not len(self.steady_tier):
             self.steady_tier.first_slot = self.core_tier.first_slot
         self.core_tier.fit()

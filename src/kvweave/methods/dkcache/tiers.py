@@ -156,8 +156,15 @@ class Tier(Stateful):
     def __len__(self) -> int:
         return len(self.positions)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Add entries; returns the keys as stored (dequantized), for the running mean."""
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        store_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Add entries (an exact tier holds them at ``store_dtype``, default theirs); returns the keys as stored
+        (dequantized), for the running mean."""
         if self.quantized:
             (keys_q, key_scales), (values_q, value_scales) = quantize_int8(keys), quantize_int8(values)
             for name, part in (
@@ -169,8 +176,9 @@ class Tier(Stateful):
                 self.parts[name].append(part)
             keys = dequantize_int8(keys_q, key_scales, keys.dtype)
         else:
+            keys = keys.to(store_dtype or keys.dtype)
             self.parts["keys"].append(keys)
-            self.parts["values"].append(values)
+            self.parts["values"].append(values.to(store_dtype or values.dtype))
         self.positions.append(positions.to(torch.int32))
         return keys
 
@@ -218,8 +226,8 @@ class Tier(Stateful):
         if self.quantized:
             keys = dequantize_int8(parts["keys"], parts["key_scales"], dtype)
             values = dequantize_int8(parts["values"], parts["value_scales"], dtype)
-        else:
-            keys, values = parts["keys"], parts["values"]
+        else:  # .to is a no-op when the tier holds the model's dtype
+            keys, values = parts["keys"].to(dtype), parts["values"].to(dtype)
         return keys, values, positions.to(torch.int64)
 
     def map_keys(self, fn: KeyMap) -> None:
