@@ -300,6 +300,29 @@ def format_summary(summary: dict[str, Any]) -> str:
     return text
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The latest summary of each method as a markdown table (docs/reliability.md)."""
+    summaries = {r["method"]: r for r in rows if r.get("kind") == "summary"}
+    lines = [
+        "| method | steps | bytes held first → last checkpoint | bytes / token decoded (16-bit full) | "
+        "held bounded | RSS beyond the cache's growth | finite | loss first → last | ms / step first → last "
+        "| refreshes (folds) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for spec, s in summaries.items():
+        flat = s.get("bytes_flat_from_step")
+        bounded = f"flat from step {flat}" if s.get("bounded_memory") and flat is not None else "grows"
+        refreshes = f"{s['refreshes']} ({s['folds']})" if "refreshes" in s else "-"
+        lines.append(
+            f"| `{spec}` | {s['steps']} | {s['bytes_first'] / 2**20:.2f} → {s['bytes_last'] / 2**20:.2f} MiB | "
+            f"{s['bytes_per_token']:.0f} ({s['full_16bit_bytes_per_token']:.0f}) | {bounded} | "
+            f"{s['rss_beyond_cache'] / 2**20:+.1f} MiB over {s.get('rss_steps', s['steps'])} steps | "
+            f"{'yes' if s['finite'] else 'NO'} | {s['loss_first']:.2f} → {s['loss_last']:.2f} | "
+            f"{s['ms_per_step_first']:.0f} → {s['ms_per_step_last']:.0f} | {refreshes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -314,9 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=0, help="save the cache every N checkpoints")
     parser.add_argument("--out", required=True, help="folder: rows.jsonl and summary.json")
     parser.add_argument("--state", help="folder of the saved caches (default OUT/state; keep it out of git)")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the summaries in OUT as a markdown table and stop"
+    )
     args = parser.parse_args(argv)
     if min(args.steps, args.every, args.prompt) < 1 or args.save_every < 0:
         parser.error("--steps, --every and --prompt must be positive, --save-every not negative")
+    if args.markdown:
+        print(markdown(read_rows(Path(args.out) / "rows.jsonl")), end="")
+        return 0
     from kvweave.cli_args import _split
     from kvweave.registry import parse_method
 

@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvweave.distributed import is_main_process, launch, needs_launch, summed_full_kv_bytes, summed_nbytes
 
     if needs_launch(args.tp):  # --tp N: start N ranks under torchrun, each running this command
-        return launch(args.argv, args.tp)
+        return launch(args.argv, args.tp, args.model)
     model, tokenizer = _load(args)
     if getattr(tokenizer, "chat_template", None) and not args.raw:
         text = tokenizer.apply_chat_template(
@@ -202,7 +202,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if out is not None:
         runner.check_resumable(out / "rows.jsonl", runner.plan(config), config)  # before command.txt grows
     if needs_launch(args.tp):  # --tp N: start N ranks under torchrun, each running this command
-        return launch(args.argv, args.tp)
+        return launch(args.argv, args.tp, args.model)
     if out is not None and is_main_process():
         out.mkdir(parents=True, exist_ok=True)
         _write_command(out)

@@ -308,11 +308,19 @@ def torchrun_command(argv: list[str], ranks: int) -> list[str]:
     ]
 
 
-def launch(argv: list[str], ranks: int) -> int:
+def launch(argv: list[str], ranks: int, model: str | None = None) -> int:
     """Run ``kvweave ARGV`` under ``torchrun`` with ``ranks`` processes and return its exit status.
 
-    Each rank gets ``OMP_NUM_THREADS = cpus / ranks`` unless it is set (torchrun would give every rank one
-    thread)."""
+    ``model`` (a registry name or folder), when given, is checked first: head counts that do not divide by
+    ``ranks`` are refused here, once, instead of by every rank. Each rank gets ``OMP_NUM_THREADS = cpus / ranks``
+    unless it is set (torchrun would give every rank one thread)."""
+    if model is not None:
+        from transformers import AutoConfig
+
+        from kvweave._compat import text_config
+        from kvweave.models import resolve
+
+        check_head_counts(text_config(AutoConfig.from_pretrained(resolve(model))), ranks)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     print(

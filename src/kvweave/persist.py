@@ -19,8 +19,12 @@ handed to ``cache.set_prompt`` (DepthWeave's router reads it): call ``cache.set_
 loaded cache to give it again. Version-1 files (the attribute graph) are refused with how to regenerate them.
 
 Loading refuses, with the reason and the way out: a folder without a manifest, a manifest of another format
-or version, a tensor file whose checksum does not match (corrupt or edited), a model whose fingerprint differs
-from the one the cache was made with, a method kvweave does not know.
+or version, a manifest whose own checksum (``manifest_sha256``, over every other field) does not match (edited
+by hand or damaged), a tensor file whose checksum does not match (corrupt or edited), a model whose fingerprint
+differs from the one the cache was made with, a method kvweave does not know. A save writes both files whole
+before it swaps them (the new manifest waits as ``manifest.json.pending`` while the tensor file is replaced), and a
+load reads the pair once and checks it: a killed save, a full disk or a concurrent writer leaves the previous
+cache or the new one, never a mix (docs/reliability.md; ``verify_cache`` checks a folder without a model).
 
     cache = kvweave.make_cache("dkcache", model)
     model(prefix_ids, past_key_values=cache)            # prefill the long prefix once

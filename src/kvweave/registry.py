@@ -292,7 +292,33 @@ def parse_method(spec: str | Method, **overrides: Any) -> Method:
     if twice:
         raise ValueError(f"{name}: option(s) {twice} given in the spec and as keywords; give each once")
     typed = {k: _convert(cls, k, v) for k, v in options.items()}
-    return check_budgets(cls(**typed, **overrides))
+    typed.update({k: _checked(cls, k, v) for k, v in overrides.items()})
+    return check_budgets(cls(**typed))
+
+
+def _checked(cls: type[Method], key: str, value: Any) -> Any:
+    """A keyword option checked against the field's type (text is converted as in a spec; an int is a valid
+    float): ``rope_compensation=0.25`` is refused rather than stored where a bool belongs."""
+    if isinstance(value, str):
+        return _convert(cls, key, value)
+    hint = typing.get_type_hints(cls).get(key)
+    kinds = typing.get_args(hint) or (hint,)
+    if value is None and type(None) in kinds:
+        return value
+    for kind in kinds:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+        if kind not in (bool, int, float, str, type(None)) and hint is not None:
+            return value  # a type the registry does not check (none today)
+    raise ValueError(
+        f"{cls.name}: option {key}={value!r} is not a valid {_type_name(hint)}; give a {_type_name(hint)}"
+    )
 
 
 FRACTION_KINDS = ("held fraction", "attended fraction")

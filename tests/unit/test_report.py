@@ -514,6 +514,7 @@ def test_demo_end_to_end_without_a_model(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setattr(task_lib, "make_sample", sample)
     monkeypatch.setattr(runner, "run_trial", trial_row)
     monkeypatch.setattr("kvweave.models.load_model", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr("kvweave.cli._check_model", lambda name: None)  # "stub" is not a real model
     out = tmp_path / "demo"
     argv = ["demo", "--model", "stub", "--methods", "full,window:ratio=0.25", "--context", "128"]
     assert main([*argv, "--trials", "2", "--out", str(out)]) == 0

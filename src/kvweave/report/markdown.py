@@ -4,11 +4,11 @@ the overview and per-run tables, with the command that produced each run."""
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import Any
 
-from kvweave.report import data, page
+from kvweave.report import data, guide, page
 from kvweave.report.data import Run
+from kvweave.report.guide import NO_LOSS_POINTS
 
 
 def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
@@ -228,44 +228,22 @@ def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
     return "\n".join(parts).rstrip()
 
 
-NO_LOSS_POINTS = 5.0
-"""No loss: a method's mean score over the tasks it shares with ``full`` is at most this many points
-(of 100) below ``full``'s mean over the same tasks."""
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _shared(line: dict[str, Any], full: dict[str, Any]) -> list[str]:
-    """The task columns both ``line`` and ``full`` have scores for."""
-    return [
-        column
-        for column, accuracy in line["accuracy"].items()
-        if accuracy is not None
-        and line["n"].get(column)
-        and full["accuracy"].get(column) is not None
-        and full["n"].get(column)
-    ]
-
-
 def _tasks_phrase(columns: list[str]) -> str:
-    names = [column.rsplit(" ", 1)[0] for column in columns]
+    names = [guide.task_of(column) for column in columns]
     return f"on {names[0]}" if len(names) == 1 else f"over the {len(names)} tasks it shares with `full`"
 
 
 def _versus_full(line: dict[str, Any], full: dict[str, Any] | None) -> str:
     """``mean score 61.9% over the 14 tasks it shares with `full` (45 trials) vs `full`'s 61.9% (99 trials)``."""
     if full is None:
-        columns = [c for c, a in line["accuracy"].items() if a is not None and line["n"].get(c)]
-        mean = _mean([line["accuracy"][c] for c in columns])
-        trials = sum(line["n"][c] for c in columns)
+        columns = guide.scored(line)
+        mean, trials = guide.mean_score(line, columns), guide.trials(line, columns)
         return f"mean score {100 * mean:.1f}% over {len(columns)} task(s) ({trials} trials; no `full` to compare)"
-    columns = _shared(line, full)
+    columns = guide.shared(line, full)
     if not columns:
         return "no task in common with `full`"
-    mine, theirs = (_mean([x["accuracy"][c] for c in columns]) for x in (line, full))
-    trials, full_trials = (sum(x["n"][c] for c in columns) for x in (line, full))
+    mine, theirs = (guide.mean_score(x, columns) for x in (line, full))
+    trials, full_trials = (guide.trials(x, columns) for x in (line, full))
     return (
         f"mean score {100 * mine:.1f}% {_tasks_phrase(columns)} ({trials} trials) vs `full`'s "
         f"{100 * theirs:.1f}% ({full_trials} trials)"
@@ -273,14 +251,14 @@ def _versus_full(line: dict[str, Any], full: dict[str, Any] | None) -> str:
 
 
 def _largest_drop(line: dict[str, Any], full: dict[str, Any]) -> str:
-    drops = [(full["accuracy"][c] - line["accuracy"][c], c) for c in _shared(line, full)]
+    drops = [(full["accuracy"][c] - line["accuracy"][c], c) for c in guide.shared(line, full)]
     if len(drops) < 2:
         return ""
     drop, column = max(drops, key=lambda d: (d[0], d[1]))
     if drop <= 0:
         return "; no task scores below `full`"
     return (
-        f"; its largest single-task drop: {column.rsplit(' ', 1)[0]} {_pct(full['accuracy'][column])} "
+        f"; its largest single-task drop: {guide.task_of(column)} {_pct(full['accuracy'][column])} "
         f"({full['n'][column]}) \u2192 {_pct(line['accuracy'][column])} ({line['n'][column]})"
     )
 
@@ -289,52 +267,28 @@ def _no_loss_line(lines: list[dict[str, Any]], full: dict[str, Any] | None) -> s
     head = "- **Most compression at no loss:** "
     if full is None:
         return head + "no `full` rows at this length to compare against."
-    floor = full["compression"] or 0.0
-    compressing = [
-        line
-        for line in lines
-        if line["method"] not in data.REFERENCE_METHODS and (line["compression"] or 0) > floor
-    ]
-    candidates = []
-    for line in compressing:
-        columns = _shared(line, full)
-        if columns:
-            theirs, mine = (_mean([x["accuracy"][c] for c in columns]) for x in (full, line))
-            candidates.append((line, 100 * (theirs - mine)))
-    qualified = [(line, drop) for line, drop in candidates if drop <= NO_LOSS_POINTS + 1e-9]
-    if qualified:
-        line, _ = max(qualified, key=lambda q: (q[0]["compression"], -q[1]))
+    pick = guide.no_loss(lines, full)
+    if pick.qualified and pick.line is not None:
+        line = pick.line
         return (
             f"{head}`{line['method']}` at {line['compression']:.2f}x, {_versus_full(line, full)}"
             f"{_largest_drop(line, full)}."
         )
     text = head + "no method qualifies: "
-    if not compressing:
+    if not pick.compressing:
         return text + f"no method here holds fewer bytes than `full` ({_num(full['compression'], '%.2fx')})."
-    if not candidates:
+    if pick.line is None:
         return text + "no method that holds fewer bytes than `full` shares a task with it here."
     text += (
         f"none that holds fewer bytes than `full` ({_num(full['compression'], '%.2fx')}) keeps its mean score "
         f"within {NO_LOSS_POINTS:g} points of `full`'s"
     )
-    line, _ = min(candidates, key=lambda c: (c[1], -c[0]["compression"]))
+    line = pick.line
     return f"{text}; the closest is `{line['method']}` at {line['compression']:.2f}x, {_versus_full(line, full)}."
 
 
-def _speed_trials(summary: list[dict[str, Any]], line: dict[str, Any], context: int) -> tuple[int, int]:
-    cells = [
-        e
-        for e in summary
-        if e.get("model") == line["model"]
-        and e["method"] == line["method"]
-        and e["context"] == context
-        and e.get("speed_vs_full") is not None
-    ]
-    return len(cells), sum(e["n"] for e in cells)
-
-
 def _speed_phrase(summary: list[dict[str, Any]], line: dict[str, Any], context: int) -> str:
-    cells, trials = _speed_trials(summary, line, context)
+    cells, trials = guide.speed_cells(summary, line, context)
     against = "kvpress's uncompressed baseline" if line["method"].startswith("kvpress:") else "`full`"
     where = f"median of {cells} cells, one per run and task" if cells > 1 else "1 cell"
     return (
@@ -347,22 +301,13 @@ def _fastest_line(
     summary: list[dict[str, Any]], lines: list[dict[str, Any]], full: dict[str, Any] | None, context: int
 ) -> str:
     head = "- **Fastest decode:** "
-    timed = [
-        line
-        for line in lines
-        if line["method"] not in data.REFERENCE_METHODS and line["speed_vs_full"] is not None
-    ]
-    if not timed:
+    timed = guide.timed(lines)
+    best = guide.fastest(timed)
+    if best is None:
         return head + "no decode speed measured against `full` at this length."
-
-    def fastest(candidates: list[dict[str, Any]]) -> dict[str, Any]:
-        return max(candidates, key=lambda line: line["speed_vs_full"])
-
-    best = fastest(timed)
     text = f"{head}{_speed_phrase(summary, best, context)}, {_versus_full(best, full)}"
-    own = [line for line in timed if not line["method"].startswith("kvpress:")]
-    if best["method"].startswith("kvpress:") and own:
-        second = fastest(own)
+    second = guide.fastest([line for line in timed if not line["method"].startswith("kvpress:")])
+    if best["method"].startswith("kvpress:") and second is not None:
         text += f"; fastest kvweave method: {_speed_phrase(summary, second, context)}, {_versus_full(second, full)}"
     return text + "."
 
@@ -390,8 +335,10 @@ def _beyond_line(lines: list[dict[str, Any]], full: dict[str, Any] | None, model
         return text + (f"; only `full` was run: {_versus_full(full, None)}." if full else ".")
 
     def score(line: dict[str, Any]) -> float:
-        columns = _shared(line, full) if full else [c for c, a in line["accuracy"].items() if a is not None]
-        return _mean([line["accuracy"][c] for c in columns]) if columns else -1.0
+        columns = (
+            guide.shared(line, full) if full else [c for c, a in line["accuracy"].items() if a is not None]
+        )
+        return guide.mean_score(line, columns) if columns else -1.0
 
     best = max(tried, key=score)
     others = f" (best of {len(tried)} methods tried)" if len(tried) > 1 else ""
@@ -423,24 +370,17 @@ def guide_markdown(summary: list[dict[str, Any]]) -> str:
     if note:
         parts += [note, ""]
     beyond_any = False
-    for context in sorted({entry["context"] for entry in summary}):
-        _, lines = data.overview(summary, context)
-        by_model: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-        for line in lines:
-            by_model[line["model"]].append(line)
-        label = data.column_label("", context).strip()
-        for model, model_lines in by_model.items():
-            full = next((line for line in model_lines if line["method"] == "full"), None)
-            trained = trained_context(model)
-            beyond_any = beyond_any or (trained is not None and context > trained)
-            parts += [
-                f"**[{label} tokens](#{anchor(f'{label} tokens', {})})** ({model})",
-                "",
-                _no_loss_line(model_lines, full),
-                _fastest_line(summary, model_lines, full, context),
-                _beyond_line(model_lines, full, model, context),
-                "",
-            ]
+    for length in guide.lengths(summary):
+        trained = trained_context(length.model)
+        beyond_any = beyond_any or (trained is not None and length.context > trained)
+        parts += [
+            f"**[{length.label} tokens](#{anchor(f'{length.label} tokens', {})})** ({length.model})",
+            "",
+            _no_loss_line(length.lines, length.full),
+            _fastest_line(summary, length.lines, length.full, length.context),
+            _beyond_line(length.lines, length.full, length.model, length.context),
+            "",
+        ]
     if not beyond_any:
         parts += ["No rows lie beyond their model's trained context.", ""]
     return "\n".join(parts).rstrip()

@@ -6,7 +6,7 @@ import datetime
 from html import escape
 from typing import Any
 
-from kvweave.report import data, svg
+from kvweave.report import data, panel, svg
 from kvweave.report.data import Run
 
 CSS = """
@@ -23,6 +23,11 @@ table { border-collapse: collapse; font-size: 12px; margin: 6px 0 14px; }
 th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; }
 th { background: #f3f3f3; }
 td.name, th.name { text-align: left; }
+table.guide td.pick { text-align: left; vertical-align: top; max-width: 330px; }
+table.guide td.ok { background: #eaf6ec; }
+table.guide td.loss { background: #fbecea; }
+table.guide td.none { color: #777; }
+table.guide code { overflow-wrap: anywhere; }
 """
 
 
@@ -45,12 +50,12 @@ def series_colors(rows: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
 
 def heatmap_section(rows: list[dict[str, Any]]) -> str:
     """NIAH heatmaps: for each task with needle depths, one depth x context grid per (model, method)."""
-    several = len(data.models(rows)) > 1
     parts = []
     for task in data.tasks(rows):
         task_rows = [r for r in rows if r["task"] == task and r.get("depth") is not None]
         if not task_rows:
             continue
+        several = len(data.models(task_rows)) > 1  # a model prefix only where the task has several
         charts = []
         for model in data.models(task_rows):
             for method in data.methods(task_rows):
@@ -80,10 +85,10 @@ def heatmap_section(rows: list[dict[str, Any]]) -> str:
 def frontier_section(rows: list[dict[str, Any]]) -> str:
     """Accuracy vs compression, one chart per task, one series per method family."""
     colors = series_colors(rows)
-    several = len(data.models(rows)) > 1
     charts = []
     for task in data.tasks(rows):
         series = []
+        several = len(data.models(r for r in rows if r["task"] == task)) > 1  # a model prefix only if needed
         for model in data.models(rows):
             members = [r for r in rows if r["task"] == task and str(r.get("model")) == model]
             for name, points in sorted(
@@ -133,8 +138,45 @@ def _context_series(rows: list[dict[str, Any]], metric: str, scale: float) -> li
     return series
 
 
+def _bars(series: list[svg.Series]) -> list[svg.Bar]:
+    """One bar per series of one point each (its context named when the bars are not all at one)."""
+    several = len({s.points[0][0] for s in series if s.points}) > 1
+    return [
+        svg.Bar(
+            f"{s.name} ({svg.format_number(s.points[0][0])} tokens)" if several else s.name,
+            s.points[0][1],
+            s.color,
+            dashed=s.dashed,
+        )
+        for s in series
+        if s.points
+    ]
+
+
+def context_chart(series: list[svg.Series], title: str, y_label: str) -> str:
+    """A chart against context length: lines on a log axis, or one bar per series when every series has a
+    single length (a column of dots would say nothing)."""
+    contexts = sorted({int(s.points[0][0]) for s in series if s.points})
+    if contexts and all(len(s.points) <= 1 for s in series):
+        at = f" at {svg.format_number(contexts[0])} tokens" if len(contexts) == 1 else ""
+        note = (
+            f"one context length ({contexts[0]} tokens): one bar per method"
+            if len(contexts) == 1
+            else "one context length per method: one bar each"
+        )
+        return svg.bar_chart(_bars(series), title=f"{title}{at}", value_label=y_label, note=note)
+    return svg.line_chart(
+        series,
+        title=f"{title} vs context",
+        x_label="context tokens (log scale)",
+        y_label=y_label,
+        x_log=True,
+        y_low=0.0,
+    )
+
+
 def memory_speed_section(rows: list[dict[str, Any]]) -> str:
-    """KV memory held and decode speed against context length."""
+    """KV memory held and decode speed against context length (bars when there is one length)."""
     memory = _context_series(rows, "kv_bytes", 1 / 2**20)
     several = len(data.models(rows)) > 1
     for model in data.models(rows):
@@ -149,22 +191,8 @@ def memory_speed_section(rows: list[dict[str, Any]]) -> str:
         )
     speed = _context_series(rows, "decode_tok_s", 1.0)
     charts = [
-        svg.line_chart(
-            memory,
-            title="KV cache held vs context",
-            x_label="context tokens (log scale)",
-            y_label="KV MiB (max over the answer)",
-            x_log=True,
-            y_low=0.0,
-        ),
-        svg.line_chart(
-            speed,
-            title="decode speed vs context",
-            x_label="context tokens (log scale)",
-            y_label="decode tokens / s (median)",
-            x_log=True,
-            y_low=0.0,
-        ),
+        context_chart(memory, "KV cache held", "KV MiB (max over the answer)"),
+        context_chart(speed, "decode speed", "decode tokens / s (median)"),
     ]
     return (
         '<section id="memory-speed"><h2>Memory and speed</h2>'
@@ -375,8 +403,8 @@ def _ratio(value: float) -> str:
 
 
 def bench_speed_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, str]) -> str:
-    """Decode tok/s against context length at one batch size, one line per method (points when only one
-    length was measured)."""
+    """Decode tok/s against context length at one batch size, one line per method (one bar per method when
+    only one length was measured)."""
     members = [r for r in rows if int(r["batch"]) == batch]
     contexts = sorted({int(r["context"]) for r in members})
     series = [
@@ -387,17 +415,20 @@ def bench_speed_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, 
         )
         for method in data.methods(members)
     ]
-    x_label = "context tokens (log scale)"
     if len(contexts) == 1:
-        x_label = f"context tokens: one length measured ({contexts[0]})"
+        return svg.bar_chart(
+            _bars(series),
+            title=f"batch {batch}: decode tok/s at {svg.format_number(contexts[0])} tokens",
+            value_label="decode tokens / s (whole batch)",
+            note=f"context tokens: one length measured ({contexts[0]}); one bar per method",
+        )
     return svg.line_chart(
         series,
         title=f"batch {batch}: decode tok/s vs context",
-        x_label=x_label,
+        x_label="context tokens (log scale)",
         y_label="decode tokens / s (whole batch)",
         x_log=True,
         y_low=0.0,
-        connect=len(contexts) > 1,
     )
 
 
@@ -534,6 +565,7 @@ def render(runs: list[Run]) -> str:
         f'<p class="note">{", ".join(counts)} from {escape(names)}; generated {stamp}.'
         + (" Question-agnostic unless the command says <code>--question-aware</code>." if rows else "")
         + "</p>",
+        panel.panel(runs, summary),
     ]
     if rows or not (ppl or bench):  # a perplexity or bench run alone has no eval sections
         body += [

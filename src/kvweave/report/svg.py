@@ -1,16 +1,40 @@
-"""Tiny SVG chart helpers: a scatter/line chart, a measured-vs-bound gap chart and a heatmap, as strings to
-inline in an HTML page.
+"""Tiny SVG chart helpers: a scatter/line chart, a bar chart, a measured-vs-bound gap chart and (from
+:mod:`kvweave.report.heatmap`) a heatmap, as strings to inline in an HTML page.
 
 No plotting library: the report must render offline, in any browser, from one file. Coordinates are in
-CSS pixels; every chart is a standalone ``<svg>`` element with a ``<title>`` for screen readers.
+CSS pixels; every chart is a standalone ``<svg>`` element with a ``<title>`` for screen readers. Texts are
+laid out with :mod:`kvweave.report.layout` so that no two overlap and no name is cut without its whole text
+at hand.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
+
+from kvweave.report.heatmap import heatmap, score_color  # noqa: F401  (re-exported: svg.heatmap)
+from kvweave.report.layout import (
+    BOLD,
+    MARKERS,
+    LegendEntry,
+    Placer,
+    around_point,
+    clusters,
+    farther,
+    fitting_chars,
+    legend_block,
+    marker,
+    marker_box,
+    notes_block,
+    spread,
+    svg_document,
+    text,
+    text_lines,
+    text_width,
+    wrap,
+)
 
 PALETTE = (
     "#1f77b4",
@@ -25,8 +49,6 @@ PALETTE = (
     "#7f7f7f",
 )
 """Categorical series colours (the Tableau 10 set)."""
-
-FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
 
 
 @dataclass
@@ -132,22 +154,7 @@ def format_number(value: float) -> str:
 
 # ----------------------------------------------------------------------------------------- pieces
 
-
-def _text(x: float, y: float, text: str, size: int = 11, anchor: str = "start", **attrs: str) -> str:
-    extra = "".join(f' {k.replace("_", "-")}="{escape(v)}"' for k, v in attrs.items())
-    return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}"{extra}>'
-        f"{escape(text)}</text>"
-    )
-
-
-def _open(width: float, height: float, title: str, css_class: str) -> list[str]:
-    return [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css_class}" width="{width:.0f}" '
-        f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" role="img" style="{FONT}">',
-        f"<title>{escape(title)}</title>",
-        f'<rect x="0" y="0" width="{width:.0f}" height="{height:.0f}" fill="#ffffff"/>',
-    ]
+_text = text
 
 
 def _shorten(text: str, limit: int) -> str:
@@ -176,22 +183,30 @@ def _label(
 
 LEGEND_WIDTH = 170
 LEGEND_ROW = 18
+TITLE_SIZE = 13
+TITLE_LINE = 16
+TOP = 34
+"""The plot's top edge under a one-line title."""
+
+
+def _title(out: list[str], title: str, width: float) -> float:
+    """The chart title, wrapped to ``width`` (never cut); returns the plot's top edge under it."""
+    lines = wrap(title, fitting_chars(width - 20, BOLD * TITLE_SIZE))
+    out += text_lines(10, 20, lines, TITLE_SIZE, TITLE_LINE, font_weight="600")
+    return TOP + TITLE_LINE * (len(lines) - 1)
 
 
 def _frame(
     out: list[str],
     x_axis: Axis,
     y_axis: Axis,
-    height: int,
-    title: str,
     x_label: str,
     y_label: str,
     x_format: Callable[[float], str],
     y_format: Callable[[float], str],
 ) -> None:
-    """Title, grid lines with tick labels, the plot frame and the axis labels."""
+    """Grid lines with tick labels, the plot frame and the axis labels (the x label under the ticks)."""
     left, right, top, bottom = x_axis.start, x_axis.end, y_axis.end, y_axis.start
-    out.append(_label(left, 20, title, 72, size=13, font_weight="600"))
     for tick in x_axis.ticks():
         x = x_axis(tick)
         out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{bottom}" stroke="#e5e5e5"/>')
@@ -203,7 +218,7 @@ def _frame(
     out.append(
         f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" fill="none" stroke="#999"/>'
     )
-    out.append(_text((left + right) / 2, height - 10, x_label, anchor="middle"))
+    out.append(_text((left + right) / 2, bottom + 33, x_label, anchor="middle"))
     out.append(
         f'<text transform="translate(14,{(top + bottom) / 2:.1f}) rotate(-90)" font-size="11" '
         f'text-anchor="middle">{escape(y_label)}</text>'
@@ -219,12 +234,88 @@ def _legend_line(right: float, index: int, top: float, name: str, color: str, da
     ]
 
 
-def _fit_height(height: int, top: int, legend_rows: int) -> int:
+def _fit_height(height: int, top: float, legend_rows: int) -> int:
     """``height``, or more when the legend needs more rows than the plot is tall."""
-    return max(height, top + 6 + LEGEND_ROW * legend_rows + 40)
+    return int(max(height, top + 6 + LEGEND_ROW * legend_rows + 40))
 
 
-# ----------------------------------------------------------------------------------------- charts
+def _svg(width: float, height: float, title: str, css_class: str, body: list[str]) -> str:
+    return svg_document(width, height, title, css_class, body)
+
+
+# ----------------------------------------------------------------------------------------- line chart
+
+POINT_LABEL_SIZE = 9
+POINT_LABEL_CHARS = 26
+"""Point labels longer than this go to the numbered list under the chart, whole."""
+
+
+@dataclass
+class _Point:
+    series: int
+    px: float
+    py: float
+    x: float
+    y: float
+    label: str
+
+
+def _point_labels(
+    points: list[_Point],
+    groups: list[int],
+    names: list[str],
+    placer: Placer,
+    x_format: Callable[[float], str],
+    y_format: Callable[[float], str],
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """Each distinct label of a cluster of coincident points drawn once, where it overlaps nothing; a label
+    that is too long or finds no room becomes a number beside the point, explained under the chart."""
+    requests: dict[tuple[int, str], list[_Point]] = {}
+    for point, group in zip(points, groups, strict=True):
+        if point.label:
+            requests.setdefault((group, point.label), []).append(point)
+    out: list[str] = []
+    notes: list[tuple[str, str]] = []
+    size = POINT_LABEL_SIZE
+    for (_, label), members in sorted(requests.items(), key=lambda kv: (kv[1][0].px, kv[1][0].py)):
+        x = sum(p.px for p in members) / len(members)
+        y = members[0].py
+        spread_half = (max(p.px for p in members) - min(p.px for p in members)) / 2
+        spots = around_point(x, y, size, lines=1, half_width=spread_half)  # farther would be ambiguous
+        spot = placer.place(spots, label, size) if len(label) <= POINT_LABEL_CHARS else None
+        if spot is not None:
+            out.append(_text(spot[0], spot[1], label, size=size, anchor=spot[2], fill="#333"))
+            continue
+        number = str(len(notes) + 1)
+        who = ", ".join(data_names(names[p.series] for p in members))
+        note = f"{who} ({label}): {x_format(members[0].x)}, {y_format(members[0].y)}"
+        spot = placer.place(spots, number, size) or placer.place(farther(x, y, size), number, size)
+        if spot is None:
+            note += " (no room to number it on the chart)"
+        else:
+            if math.hypot(spot[0] - x, spot[1] - 0.3 * size - y) > 10:  # away from its point: a leader line
+                out.append(_leader(x, y, spot[0], spot[1] - 0.3 * size, size))
+            out.append(
+                _text(spot[0], spot[1], number, size=size, anchor=spot[2], fill="#000", font_weight="700")
+            )
+        notes.append((number, note))
+    return out, notes
+
+
+def _leader(x: float, y: float, tx: float, ty: float, size: float) -> str:
+    """A thin line from a point's marker edge towards its number at ``(tx, ty)`` (stopping short of it)."""
+    distance = math.hypot(tx - x, ty - y)
+    ux, uy = (tx - x) / distance, (ty - y) / distance
+    start, stop = 6.0, distance - 0.6 * size
+    return (
+        f'<line x1="{x + ux * start:.1f}" y1="{y + uy * start:.1f}" x2="{x + ux * stop:.1f}" '
+        f'y2="{y + uy * stop:.1f}" stroke="#777" stroke-width="0.8"/>'
+    )
+
+
+def data_names(names: Iterable[str]) -> list[str]:
+    """Distinct names in first-seen order."""
+    return list(dict.fromkeys(names))
 
 
 def line_chart(
@@ -242,37 +333,127 @@ def line_chart(
     height: int = 330,
     connect: bool = True,
 ) -> str:
-    """Scatter points of each series (joined in x order when ``connect``), with axes, labels and a legend
-    (long names shortened, the whole name in a tooltip; the chart grows when the legend needs it). Each point
-    has a tooltip with its series, x and y."""
-    top = 34
-    height = _fit_height(height, top, len(series))
-    left, right, bottom = 58, width - LEGEND_WIDTH - 10, height - 46
+    """Points of each series (joined in x order when ``connect``) with axes and a legend under the plot that
+    names every series whole. Series are told apart by colour and marker shape; coincident points are set
+    side by side; point labels never overlap (each distinct label of coincident points is drawn once, and one
+    with no room becomes a number explained under the chart). Each point has a tooltip with its values."""
+    out: list[str] = []
+    top = _title(out, title, width)
+    left, right = 58, width - 16
+    bottom = top + height - 80
     xs = [x for s in series for x, _ in s.points]
     ys = [y for s in series for _, y in s.points]
     x_axis = Axis.fit(xs, left, right, log=x_log)
     y_axis = Axis.fit(ys, bottom, top, log=y_log, low=y_low, high=y_high)
-    out = _open(width, height, title, "chart")
-    _frame(out, x_axis, y_axis, height, title, x_label, y_label, x_format, y_format)
+    _frame(out, x_axis, y_axis, x_label, y_label, x_format, y_format)
+    points = [
+        _Point(index, x_axis(x), y_axis(y), x, y, label)
+        for index, s in enumerate(series)
+        for (x, y), label in sorted(zip(s.points, s.labels or [""] * len(s.points), strict=False))
+    ]
+    groups = clusters([(p.px, p.py) for p in points])
+    for point, moved in zip(points, spread([p.px for p in points], groups), strict=True):
+        point.px = moved
+    colors = [s.color or PALETTE[i % len(PALETTE)] for i, s in enumerate(series)]
+    shapes = [MARKERS[i % len(MARKERS)] for i in range(len(series))]
+    placer = Placer((left + 2, top + 2, right - 2, bottom - 2))
     for index, s in enumerate(series):
-        color = s.color or PALETTE[index % len(PALETTE)]
-        ordered = sorted(zip(s.points, s.labels or [""] * len(s.points), strict=False))
-        pixels = [(x_axis(x), y_axis(y), x, y, label) for (x, y), label in ordered]
+        own = [p for p in points if p.series == index]
         dash = ' stroke-dasharray="5,4"' if s.dashed else ""
-        if connect and len(pixels) > 1:
-            path = " ".join(f"{px:.1f},{py:.1f}" for px, py, *_ in pixels)
-            out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
-        for px, py, x, y, label in pixels:
-            tip = f"{s.name}{f' ({label})' if label else ''}: {x_format(x)}, {y_format(y)}"
+        if connect and len(own) > 1:
+            path = " ".join(f"{p.px:.1f},{p.py:.1f}" for p in own)
             out.append(
-                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4.5" fill="{color}" stroke="#fff">'
-                f"<title>{escape(tip)}</title></circle>"
+                f'<polyline points="{path}" fill="none" stroke="{colors[index]}" stroke-width="2"{dash}/>'
             )
-            if label:
-                out.append(_label(px + 6, py - 6, label, 22, size=9, fill="#333"))
-        out += _legend_line(right, index, top, s.name, color, dash)
-    out.append("</svg>")
-    return "\n".join(out)
+    for p in points:
+        s = series[p.series]
+        tip = f"{s.name}{f' ({p.label})' if p.label else ''}: {x_format(p.x)}, {y_format(p.y)}"
+        out.append(marker(shapes[p.series], p.px, p.py, colors[p.series], title=tip))
+        placer.take(marker_box(p.px, p.py))
+    labels, notes = _point_labels(points, groups, [s.name for s in series], placer, x_format, y_format)
+    out += labels
+    entries = [
+        LegendEntry(s.name, colors[i], shapes[i], line=connect and len(s.points) > 1, dashed=s.dashed)
+        for i, s in enumerate(series)
+    ]
+    legend, used = legend_block(entries, 10, bottom + 44, width - 20)
+    out += legend
+    numbered, more = notes_block(notes, 10, bottom + 44 + used + 6, width - 20)
+    out += numbered
+    total = bottom + 44 + used + (6 + more if notes else 0) + 10
+    return _svg(width, total, title, "chart", out)
+
+
+# ----------------------------------------------------------------------------------------- bar chart
+
+
+@dataclass
+class Bar:
+    """One bar: a whole ``name`` above it, its ``value`` after it."""
+
+    name: str
+    value: float
+    color: str = ""
+    tip: str = ""
+    dashed: bool = False
+
+
+BAR_NAME_SIZE = 11
+BAR_HEIGHT = 12
+
+
+def bar_chart(
+    bars: Sequence[Bar],
+    title: str,
+    value_label: str,
+    note: str = "",
+    value_format: Callable[[float], str] = format_number,
+    width: int = 560,
+) -> str:
+    """Horizontal bars, one per entry, each under its whole name (wrapped when long) with its value at its
+    end, on a shared axis from 0: what a chart against context length becomes when there is one length."""
+    out: list[str] = []
+    top = _title(out, title, width)
+    if note:
+        lines = wrap(note, fitting_chars(width - 20, 10))
+        out += text_lines(10, top + 2, lines, 10, 13, fill="#555")
+        top += 13 * len(lines) + 2
+    left, right = 12, width - 12
+    value_room = max((text_width(value_format(b.value), 10) for b in bars), default=0.0) + 10
+    axis = Axis.fit([0.0, *(b.value for b in bars)], left, right - value_room, low=0.0)
+    chars = fitting_chars(right - left, BAR_NAME_SIZE)
+    rows: list[str] = []
+    y = top + 6
+    for index, bar in enumerate(bars):
+        color = bar.color or PALETTE[index % len(PALETTE)]
+        names = wrap(bar.name, chars)
+        rows += text_lines(left, y + BAR_NAME_SIZE, names, BAR_NAME_SIZE, 13)
+        bar_y = y + 13 * len(names) + 3
+        end = axis(max(bar.value, 0.0))
+        style = (
+            f'fill="#ffffff" stroke="{color}" stroke-width="2" stroke-dasharray="5,3"'
+            if bar.dashed
+            else f'fill="{color}"'
+        )
+        tip = bar.tip or f"{bar.name}: {value_format(bar.value)}"
+        rows.append(
+            f'<rect x="{left}" y="{bar_y:.1f}" width="{max(end - left, 1.0):.1f}" height="{BAR_HEIGHT}" '
+            f"{style}><title>{escape(tip)}</title></rect>"
+        )
+        rows.append(_text(end + 5, bar_y + BAR_HEIGHT - 2, value_format(bar.value), size=10, fill="#333"))
+        y = bar_y + BAR_HEIGHT + 8
+    bottom = y
+    for tick in axis.ticks():
+        x = axis(tick)
+        out.append(f'<line x1="{x:.1f}" y1="{top + 4}" x2="{x:.1f}" y2="{bottom:.1f}" stroke="#e5e5e5"/>')
+        out.append(_text(x, bottom + 14, value_format(tick), size=10, anchor="middle", fill="#444"))
+    out += rows
+    out.append(f'<line x1="{left}" y1="{top + 4}" x2="{left}" y2="{bottom:.1f}" stroke="#999"/>')
+    out.append(_text((left + right) / 2, bottom + 32, value_label, anchor="middle"))
+    return _svg(width, bottom + 44, title, "chart bars", out)
+
+
+# ----------------------------------------------------------------------------------------- gap chart
 
 
 @dataclass
@@ -311,8 +492,10 @@ def gap_chart(
 ) -> str:
     """Each point drawn twice: a filled dot at its measured ``y`` and a hollow diamond at its ``bound``, joined
     by a thin vertical segment (the gap); a dashed horizontal line at ``reference``. Points are not joined
-    across x. The legend names the series, then the two markers."""
-    top = 34
+    across x. The legend names the series (long names shortened in the middle, whole in their tooltip: the
+    table beside the chart gives them), then the two markers. Point labels never overlap."""
+    out: list[str] = []
+    top = _title(out, title, width)
     height = _fit_height(height, top, len(series) + 2)
     left, right, bottom = 58, width - LEGEND_WIDTH - 10, height - 46
     xs = [p.x for s in series for p in s.points]
@@ -321,14 +504,17 @@ def gap_chart(
         ys.append(reference)
     x_axis = Axis.fit(xs, left, right, log=x_log)
     y_axis = Axis.fit(ys, bottom, top, low=0.0)
-    out = _open(width, height, title, "chart gap")
-    _frame(out, x_axis, y_axis, height, title, x_label, y_label, x_format, y_format)
+    _frame(out, x_axis, y_axis, x_label, y_label, x_format, y_format)
     if reference is not None:
         y = y_axis(reference)
         out.append(
             f'<line x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}" stroke="#555" stroke-dasharray="5,4"/>'
         )
-    placed: list[tuple[float, float, float, float]] = []  # label boxes drawn so far
+    placer = Placer((left + 2, top + 2, right - 2, bottom - 2))
+    for s in series:
+        for p in s.points:
+            placer.take(marker_box(x_axis(p.x), y_axis(p.y)))
+            placer.take(marker_box(x_axis(p.x), y_axis(p.bound)))
     for index, s in enumerate(series):
         color = s.color or PALETTE[index % len(PALETTE)]
         for p in sorted(s.points, key=lambda p: (p.x, p.y)):
@@ -345,43 +531,21 @@ def gap_chart(
             out.append(_diamond(px, pb, color))
             out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4.5" fill="{color}" stroke="#fff"/>')
             out.append("</g>")
-            label = _place_label(px, py, _shorten(p.label, 12), placed, (left, top, right, bottom))
-            if label:
-                out.append(label)
+            label = _shorten(p.label, 12)
+            spot = (
+                placer.place(around_point(px, py, POINT_LABEL_SIZE), label, POINT_LABEL_SIZE)
+                if label
+                else None
+            )
+            if spot is not None:
+                out.append(_text(spot[0], spot[1], label, size=POINT_LABEL_SIZE, anchor=spot[2], fill="#333"))
         out += _legend_line(right, index, top, s.name, color)
     key_y = top + 6 + LEGEND_ROW * len(series)
     out.append(f'<circle cx="{right + 23}" cy="{key_y:.1f}" r="4.5" fill="#555"/>')
     out.append(_label(right + 38, key_y + 4, measured_name, 20))
     out.append(_diamond(right + 23, key_y + LEGEND_ROW, "#555"))
     out.append(_label(right + 38, key_y + LEGEND_ROW + 4, bound_name, 20))
-    out.append("</svg>")
-    return "\n".join(out)
-
-
-def _place_label(
-    x: float,
-    y: float,
-    text: str,
-    placed: list[tuple[float, float, float, float]],
-    frame: tuple[float, float, float, float],
-    size: int = 9,
-) -> str:
-    """A small label right or left of the point ``(x, y)``, where it overlaps no label placed before it and
-    stays inside ``frame``; nothing when neither side is free (the point's tooltip still says it)."""
-    if not text:
-        return ""
-    width, height = 0.58 * size * len(text), size + 1.0
-    left, top, right, bottom = frame
-    for x0, anchor in ((x + 7, "start"), (x - 7 - width, "end")):
-        box = (x0, y + 3 - size, x0 + width, y + 3 - size + height)
-        inside = box[0] >= left and box[2] <= right and box[1] >= top and box[3] <= bottom
-        if inside and not any(
-            box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed
-        ):
-            placed.append(box)
-            tx = x + 7 if anchor == "start" else x - 7
-            return _text(tx, y + 3, text, size=size, anchor=anchor, fill="#333")
-    return ""
+    return _svg(width, height, title, "chart gap", out)
 
 
 def _diamond(x: float, y: float, color: str, size: float = 5.0) -> str:
@@ -389,71 +553,3 @@ def _diamond(x: float, y: float, color: str, size: float = 5.0) -> str:
         f'<polygon points="{x:.1f},{y - size:.1f} {x + size:.1f},{y:.1f} {x:.1f},{y + size:.1f} '
         f'{x - size:.1f},{y:.1f}" fill="#fff" stroke="{color}" stroke-width="2"/>'
     )
-
-
-def _mix(a: str, b: str, t: float) -> str:
-    ca = [int(a[i : i + 2], 16) for i in (1, 3, 5)]
-    cb = [int(b[i : i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(ca, cb, strict=True))
-
-
-def score_color(value: float | None) -> str:
-    """Red (0) -> yellow (0.5) -> green (1); light grey for a missing cell."""
-    if value is None or not math.isfinite(value):
-        return "#eeeeee"
-    value = min(max(value, 0.0), 1.0)
-    if value < 0.5:
-        return _mix("#d73027", "#fee08b", value / 0.5)
-    return _mix("#fee08b", "#1a9850", (value - 0.5) / 0.5)
-
-
-def heatmap(
-    row_labels: Sequence[str],
-    column_labels: Sequence[str],
-    values: Sequence[Sequence[float | None]],
-    title: str,
-    x_label: str = "context tokens",
-    y_label: str = "depth",
-    cell: int = 38,
-) -> str:
-    """A grid of score cells (rows top to bottom, columns left to right) with the score written in each."""
-    left, top = 52, 34
-    width = max(left + cell * len(column_labels) + 12, 190)
-    height = top + cell * len(row_labels) + 40
-    out = _open(width, height, title, "heatmap")
-    out.append(_text(4, 18, _shorten(title, 34), size=12, font_weight="600"))
-    for r, label in enumerate(row_labels):
-        y = top + r * cell
-        out.append(_text(left - 5, y + cell / 2 + 4, label, size=10, anchor="end", fill="#444"))
-        for c, value in enumerate(values[r]):
-            x = left + c * cell
-            fill = score_color(value)
-            out.append(
-                f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}">'
-                f"<title>{escape(label)} / {escape(column_labels[c])}: "
-                f"{'-' if value is None else f'{100 * value:.0f}%'}</title></rect>"
-            )
-            if value is not None:
-                ink = "#ffffff" if value < 0.2 or value > 0.8 else "#222222"
-                out.append(
-                    _text(
-                        x + cell / 2,
-                        y + cell / 2 + 4,
-                        f"{100 * value:.0f}",
-                        size=10,
-                        anchor="middle",
-                        fill=ink,
-                    )
-                )
-    bottom = top + cell * len(row_labels)
-    for c, label in enumerate(column_labels):
-        out.append(
-            _text(left + c * cell + cell / 2, bottom + 13, label, size=10, anchor="middle", fill="#444")
-        )
-    out.append(_text(left + cell * len(column_labels) / 2, bottom + 30, x_label, size=10, anchor="middle"))
-    out.append(
-        f'<text transform="translate(11,{top + cell * len(row_labels) / 2:.1f}) rotate(-90)" font-size="10" '
-        f'text-anchor="middle">{escape(y_label)}</text>'
-    )
-    out.append("</svg>")
-    return "\n".join(out)

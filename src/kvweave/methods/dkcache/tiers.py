@@ -120,9 +120,13 @@ class Buffer(Stateful):
         return out
 
     def fit(self) -> None:
-        """Release capacity after a large move (prefill) so held bytes stay honest."""
-        if self.data is not None and self.data.shape[self.dim] > 2 * len(self) + 32:
-            self._reallocate(len(self))
+        """Release capacity after a large move (prefill) so held bytes stay honest: spare room beyond twice
+        what :meth:`append` would leave (``max(32, live // GROWTH)``) is given back, keeping that much."""
+        if self.data is None:
+            return
+        slack = max(32, len(self) // GROWTH)
+        if self.data.shape[self.dim] - len(self) > 2 * slack:
+            self._reallocate(len(self) + slack)
 
     def _reallocate(self, capacity: int) -> None:
         live = self.view()
