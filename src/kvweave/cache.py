@@ -301,6 +301,8 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         a device sync per layer per step)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        else:
+            self.check_matches(key_states)
         if key_states.shape[2] > 1 and not (
             torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
         ):
@@ -312,6 +314,18 @@ class CompressedLayer(CacheLayerMixin, Stateful):
             )
         mark_pending(self, key_states)
         return key_states, value_states
+
+    def check_matches(self, key_states: torch.Tensor) -> None:
+        """Refuse new keys whose batch size, dtype or device differ from what this layer holds: the cache was
+        filled by another batch or model set-up, and continuing would mix them silently."""
+        b, dtype, device = key_states.shape[0], key_states.dtype, key_states.device
+        if (b, dtype, device) == (self.rows, self.dtype, self.device):
+            return
+        raise ValueError(
+            f"{self.cache.method.name}: layer {self.layer_idx} holds {self.rows} rows of {self.dtype} on "
+            f"{self.device} but was given {b} rows of {dtype} on {device}; a cache continues the batch and model "
+            "it was filled with: make a new cache (kvweave.make_cache) for this input, or call cache.reset()"
+        )
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.seen + query_length, 0

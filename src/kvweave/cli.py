@@ -250,7 +250,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_new_tokens=args.max_new_tokens,
     )
-    print("\n" + textwrap.fill(demo.verdict(summary, args.context, args.trials, labels), width=110))
+    print(
+        "\n"
+        + textwrap.fill(
+            demo.verdict(summary, args.context, args.trials, labels), width=110, break_on_hyphens=False
+        )
+    )
     print(
         f"\nrun folder: {folder}\nreport: {folder / 'report.html'}\nsummary: {folder / 'summary.md'} "
         f"(numbers: {folder / 'summary.csv'}; every row: {folder / 'rows.jsonl'})"
@@ -636,8 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="context length in tokens, e.g. 1024 or 4k (default 1024)",
     )
-    p.add_argument("--trials", type=_count, default=3, help="trials per task (needle depths 10-90%%)")
-    p.add_argument("--methods", help="comma-separated method specs (default: the registered ones at ~4x)")
+    p.add_argument(
+        "--trials", type=_count, default=2, help="trials per task (needle depths 10-90%%; default 2)"
+    )
+    p.add_argument(
+        "--methods", help="comma-separated method specs (default: the registered ones at 4x and 8x)"
+    )
     p.add_argument("--max-new-tokens", type=_length, default=10, help="answer length (default 10)")
     p.add_argument("--out", help="run folder (default runs/demo-<model>-<context>); a rerun resumes")
     p.set_defaults(func=cmd_demo)

@@ -323,3 +323,18 @@ def test_old_rows_keep_their_meaning_when_defaults_change():
         canonical_spec("dkcache:ratio=0.25", old, legacy=True)
         == "dkcache:attended=0.25,decouple=True,bits=16,storage=model"
     )
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not METHODS[n].exact])
+def test_a_filled_cache_refuses_another_batch_or_dtype(name):
+    """A cache continues the batch it was filled with: another batch size or dtype is refused with the way
+    out, never mixed in silently."""
+    model = tiny_model("llama")
+    cache = kvweave.make_cache(_method(name), model)
+    with torch.no_grad():
+        model(torch.randint(3, 150, (1, 40)), **{cache_kwarg(model): cache})
+        with pytest.raises(ValueError, match="make a new cache"):
+            model(torch.randint(3, 150, (2, 4)), **{cache_kwarg(model): cache})
+    layer = next(layer for layer in cache.layers if hasattr(layer, "check_matches"))
+    with pytest.raises(ValueError, match="torch.float16"):
+        layer.check_matches(torch.zeros(1, 2, 1, 16, dtype=torch.float16))

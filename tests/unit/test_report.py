@@ -476,10 +476,10 @@ def test_demo_verdict_names_what_kept_accuracy() -> None:
     ]
     text = demo.verdict(summary, 1024, 3)
     assert "full scored 100%" in text
-    assert "At 8x or more of a 16-bit cache, snapkv:ratio=0.125 (7.9x, 100%" in text
+    assert "At about 8x of a 16-bit cache (measured 6x or more), snapkv:ratio=0.125 (7.9x, 100%" in text
     assert "window:ratio=0.125 (7.9x, 33%, decode 1.30x of full) did not" in text
-    assert "At 4x or more of a 16-bit cache, snapkv:ratio=0.25" in text
-    assert "Below 3.6x held: dkcache:attended=0.25" in text and "INT8" in text
+    assert "At about 4x of a 16-bit cache (measured 3x or more), snapkv:ratio=0.25" in text
+    assert "Below 3x held: dkcache:attended=0.25" in text and "INT8" in text
     assert "Fastest decode: window:ratio=0.125 at 1.30x of full" in text
     line = demo.table_line(
         "snapkv:ratio=0.125", demo.method_lines(summary)["snapkv:ratio=0.125"], ["passkey"]

@@ -120,12 +120,12 @@ class Buffer(Stateful):
         return out
 
     def fit(self) -> None:
-        """Release capacity after a large move (prefill) so held bytes stay honest: spare room beyond twice
-        what :meth:`append` would leave (``max(32, live // GROWTH)``) is given back, keeping that much."""
+        """Release capacity after a large move (prefill) so held bytes stay honest: spare room beyond what
+        :meth:`append` would leave (``max(16, live // GROWTH)``) is given back, keeping that much."""
         if self.data is None:
             return
-        slack = max(32, len(self) // GROWTH)
-        if self.data.shape[self.dim] - len(self) > 2 * slack:
+        slack = max(16, len(self) // GROWTH)
+        if self.data.shape[self.dim] - len(self) > slack:
             self._reallocate(len(self) + slack)
 
     def _reallocate(self, capacity: int) -> None:
