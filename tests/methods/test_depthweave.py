@@ -5,6 +5,8 @@ Tiny random llama (3 layers, 2 KV heads x 16 dims, fp32); every test runs in abo
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -385,3 +387,20 @@ def test_selective_decode_reads_fewer_coordinates_than_attending_everything(mode
     chosen = cache.read_bytes()
     cache.method.decode_tokens = 10_000  # the same store, every token attended
     assert chosen < cache.read_bytes()
+
+
+def test_a_compression_out_of_reach_warns_with_what_it_reached(model):
+    """A short prompt cannot reach ``compression`` (the recent buffer, sinks and page summaries are held
+    whatever the budget): the method says what it reached instead of failing silently; a fixed rank does not."""
+    from kvweave.methods.depthweave import group
+
+    group._WARNED.clear()
+    with pytest.warns(UserWarning, match=r"compression=16 reached [0-9.]+x on this 60-token prompt"):
+        cache = kvweave.make_cache("depthweave", model, **SMALL, compression=16.0)
+        with torch.no_grad():
+            model(_ids(60), **{cache_kwarg(model): cache})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache = kvweave.make_cache("depthweave", model, **{**SMALL, **EXACT_STORE})
+        with torch.no_grad():
+            model(_ids(61), **{cache_kwarg(model): cache})

@@ -209,8 +209,8 @@ class WeaveGroup(Stateful):
         """Say so when the prompt is too short for ``compression`` (its recent buffer, sinks and page summaries
         are held whatever the budget): once per target and prompt length (to 256 tokens), for group 0."""
         target = self.method.compression
-        if self.method.target_error is not None or not target:
-            return
+        if self.method.target_error is not None or not target or not self.method.probes:
+            return  # an error target, or a fixed rank (probes off): no byte target to fall short of
         reached = self.summary().get("group_compression")
         key = (target, tokens // 256)
         if reached is None or reached >= 0.9 * target or key in _WARNED:
