@@ -245,16 +245,10 @@ def summarize(spec: str, rows: list[dict[str, Any]], steps: int, bounded: bool) 
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file; a last line cut by a crash is skipped."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """The rows of a JSONL file (none when it does not exist yet); a last line cut by a crash is skipped."""
+    from kvweave.eval import runner
+
+    return runner.read_rows(path) if path.is_file() else []
 
 
 def appender(path: Path) -> Callable[[dict[str, Any]], None]:

@@ -64,26 +64,26 @@ def _length(text: str) -> int:
     return _count_of(item, text)
 
 
-def _count(text: str) -> int:
-    """A positive whole number (trials, rounds, windows, layers)."""
+def _whole(text: str, minimum: int, example: int) -> int:
+    """``text`` as a whole number of at least ``minimum`` (``argparse`` type error otherwise)."""
     try:
         value = int(text.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number like 3, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number like {example}, got {text!r}") from None
+    if value < minimum:
+        least = "at least 1" if minimum == 1 else f"{minimum} or more"
+        raise argparse.ArgumentTypeError(f"expected {least}, got {value}")
     return value
+
+
+def _count(text: str) -> int:
+    """A positive whole number (trials, rounds, windows, layers)."""
+    return _whole(text, 1, 3)
 
 
 def _non_negative(text: str) -> int:
     """A whole number >= 0 (e.g. warm-up steps)."""
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number like 2, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
-    return value
+    return _whole(text, 0, 2)
 
 
 _MAX_TOKENS = 2**31 - 1  # slots are int32: no context is longer
