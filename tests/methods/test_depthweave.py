@@ -404,3 +404,61 @@ def test_a_compression_out_of_reach_warns_with_what_it_reached(model):
         cache = kvweave.make_cache("depthweave", model, **{**SMALL, **EXACT_STORE})
         with torch.no_grad():
             model(_ids(61), **{cache_kwarg(model): cache})
+
+
+class _Vocab:
+    """A tokenizer's ``convert_ids_to_tokens`` over a fixed vocabulary (what the router reads of a tokenizer)."""
+
+    def __init__(self, words: dict[int, str]) -> None:
+        self.words = words
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.words.get(i, "Ġthe") for i in ids]
+
+
+def test_retrievable_scores_rank_digits_then_names_then_rare_words():
+    from kvweave.methods.depthweave import retrievable_scores
+
+    vocab = _Vocab({1: "Ġthe", 2: "Ġis", 3: "7", 4: "ĠParis", 5: "Ġload_model", 6: "Ġharbour", 7: ":"})
+    ids = torch.tensor([1, 2, 1, 2, 1, 2, 4, 1, 5, 1, 6, 1, 2, 7, 3, 3, 1, 2, 1, 2, 1, 2])
+    score = retrievable_scores(ids, vocab, torch.arange(ids.numel()), 1)[0]
+    assert score[14] == score[15] == 2.0  # digits
+    assert score[6] == score[8] == 1.0  # a capitalised name, a snake_case identifier (rare in the prompt)
+    assert score[10] == 0.5  # a word of 4+ letters seen once
+    assert score[13] == score[16] == 1.0 and score[12] == 1.0  # within two tokens of a digit
+    assert score[0] == score[1] == score[19] == 0.0  # frequent short words
+    assert retrievable_scores(ids, None, torch.arange(3), 1) is None  # no tokenizer: no signal
+
+
+def test_protect_keeps_digit_tokens_exact_inside_the_budget(model):
+    ids = torch.tensor([[5, 6, 7, 8] * 24])
+    digits = [40, 41, 42, 70]
+    for slot in digits:
+        ids[0, slot] = 140
+    vocab = _Vocab({140: "9"})
+    held = {}
+    for protect in (0.0, 0.05):
+        cache = kvweave.make_cache(
+            "depthweave",
+            model,
+            **{
+                **SMALL,
+                "router": False,
+                "group": 2,
+                "protect": protect,
+                "compression": 3.0,
+                "decode_tokens": 0,
+            },
+        )
+        cache.set_prompt(ids, vocab)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+        store = cache.layers[0].group.rows[0]
+        exact = set(store.exact_slots.tolist())
+        held[protect] = exact
+        summary = cache.layers[0].group.summary()
+        assert summary["group_compression"] == pytest.approx(3.0, rel=0.25)  # the budget pays for them
+    assert not set(digits) & held[0.0]  # without protect only the sinks are exact
+    protected = held[0.05] - held[0.0]
+    assert len(protected) == round(0.05 * (96 - 8))  # the protect fraction of the folded tokens
+    assert set(digits[:3]) <= protected  # digits first, then their neighbours

@@ -25,17 +25,20 @@ from kvweave.registry import SPEC_VERSION, parse_method
 
 
 def window_nll(
-    model: Any, ids: list[int], method: str, target: int, stepwise: bool = False
+    model: Any, ids: list[int], method: str, target: int, stepwise: bool = False, tokenizer: Any = None
 ) -> dict[str, Any]:
     """Mean negative log-likelihood of the last ``target`` tokens of ``ids`` given the compressed rest.
 
     The scored tokens go through the cache in one forward pass, or with ``stepwise`` one token per forward
     pass, as ``generate()`` decodes: methods whose attention depends on the query chunk (DK-Cache picks its
     far pages once per forward pass, for all of the pass's queries) or that evict while decoding are then
-    scored as they behave in decoding. Both give the same NLL for ``full``.
+    scored as they behave in decoding. Both give the same NLL for ``full``. With ``tokenizer`` the cache is
+    given the prefix's ids (``cache.set_prompt``), as ``kvweave.generate`` and ``kvweave eval`` give them.
     """
     prefix, scored = torch.tensor([ids[:-target]]), torch.tensor([ids[-target - 1 :]])
     cache = make_cache(method, model)
+    if tokenizer is not None:
+        cache.set_prompt([ids[: -target - 1]], tokenizer)
     kw = cache_kwarg(model)
     start = time.perf_counter()
     with torch.no_grad():
@@ -108,7 +111,7 @@ def run_perplexity(
             "window_sha1": digests[i],
             "stepwise": stepwise,
             "key": key,
-            **window_nll(model, chunks[i], spec, target, stepwise=stepwise),
+            **window_nll(model, chunks[i], spec, target, stepwise=stepwise, tokenizer=tokenizer),
         }
         rows.append(row)
         if rows_path is not None:

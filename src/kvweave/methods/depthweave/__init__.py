@@ -20,6 +20,12 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   prompt's end). Buckets are ragged, each its own ``[n_b, w_b]`` coordinate tensor (no zero padding):
   top -> exact rows, next ``hi_tokens`` -> width ``r·spread``, ``lo_tokens`` -> ``r/spread``, rest -> ``r``;
   the lowest ``evict`` fraction can be dropped (eviction, then factorize what is kept).
+- ``protect``: a fraction of the prompt's tokens kept as exact rows because of what they *are*, question-
+  agnostically: tokens with digits (numbers, dates, UUID and hex pieces) and their neighbours, then identifier-
+  like tokens rare in the prompt (``snake_case``, ``camelCase``, capitalised names), then other rare words
+  (:func:`~kvweave.methods.depthweave.router.retrievable_scores`; needs ``cache.set_prompt(ids, tokenizer)``,
+  which ``kvweave.generate``, ``kvweave eval`` and ``kvweave ppl`` call). Exact rows are always attended
+  (selective decode never skips them) and the byte budget pays for them (the ranks drop to fit).
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
@@ -107,6 +113,8 @@ from kvweave.methods.depthweave.router import (
     novelty_score,
     observed_attention,
     percentile,
+    protected,
+    retrievable_scores,
     router_score,
 )
 from kvweave.methods.depthweave.store import COORD_GROUP, RowStore, Segment
@@ -147,6 +155,8 @@ __all__ = [
     "novelty_score",
     "observed_attention",
     "percentile",
+    "protected",
+    "retrievable_scores",
     "router_score",
 ]
 
@@ -178,6 +188,11 @@ class DepthWeave(Method):
     sinks: int = option(4, "first tokens kept exact (attention sinks)")
     residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)")
     residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows")
+    protect: float = option(
+        0.0,
+        "fraction of prompt tokens kept as exact rows because they look like values users retrieve (digits, "
+        "identifiers, rare names; needs cache.set_prompt(ids, tokenizer)); counted in the compression budget",
+    )
     residual_bits: int = option(
         16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
     )
@@ -234,6 +249,7 @@ class DepthWeave(Method):
         ({"sinks": -1}, "sinks"),
         ({"residual_tokens": 1.5}, "residual_tokens"),
         ({"residual_bits": 4}, "residual_bits"),
+        ({"protect": 0.9}, "protect"),
         ({"hi_tokens": -0.1}, "hi_tokens"),
         ({"hi_tokens": 0.7, "lo_tokens": 0.5}, "lo_tokens"),
         ({"spread": 0.5}, "spread"),
@@ -267,6 +283,7 @@ class DepthWeave(Method):
         self.check_range("sinks", 0)
         self.check_range("residual_tokens", 0.0, 1.0)
         self.check_choice("residual_bits", [16, 8])
+        self.check_range("protect", 0.0, 0.5)
         self.check_range("hi_tokens", 0.0, 1.0)
         self.check_range("lo_tokens", 0.0, 1.0 - self.hi_tokens)
         self.check_range("spread", 1.0, 64.0)

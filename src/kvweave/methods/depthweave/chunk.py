@@ -26,6 +26,8 @@ class Chunk:
     attention: torch.Tensor  # [n] attention received (router signal)
     content: torch.Tensor | None  # [n] token-content signal, when token ids were given
     sink: torch.Tensor | None  # [n] bool, attention sinks (prefill only)
+    # [n] how much each token looks like a value users retrieve (router.retrievable_scores; prefill, protect > 0)
+    retrievable: torch.Tensor | None = None
     # tensor parallelism: the ranks holding the group's other heads, over which the probe errors and the router's
     # novelty are all-reduced (kvweave.distributed); None in one process
     tp: TensorParallel | None = None

@@ -19,7 +19,7 @@ from kvweave.methods.depthweave.chunk import Chunk
 from kvweave.methods.depthweave.factorize import add_chunk
 from kvweave.methods.depthweave.probes import Probe
 from kvweave.methods.depthweave.ranks import Budget
-from kvweave.methods.depthweave.router import content_scores
+from kvweave.methods.depthweave.router import content_scores, retrievable_scores
 from kvweave.methods.depthweave.store import RowStore
 from kvweave.state import Stateful
 
@@ -161,6 +161,9 @@ class WeaveGroup(Stateful):
             attention = tp.all_reduce(attention, "mean")
         context = self.cache.context
         content = content_scores(context.prompt_ids, context.tokenizer, slots, rows) if first == 0 else None
+        retrievable = None
+        if first == 0 and self.method.protect > 0:
+            retrievable = retrievable_scores(context.prompt_ids, context.tokenizer, slots, rows)
         pad_count: torch.Tensor = owner.pad_count  # type: ignore[assignment]
         padding = slots.view(1, -1) < pad_count.view(-1, 1)
         heads, dim = keys[0].shape[1], keys[0].shape[3]
@@ -182,6 +185,7 @@ class WeaveGroup(Stateful):
                 attention=attention[b, real],
                 content=None if content is None else content[b, real],
                 sink=(slots[real] - pad_count[b]) < self.method.sinks if first == 0 else None,
+                retrievable=None if retrievable is None else retrievable[b, real],
                 tp=tp,
             )
             probe = None

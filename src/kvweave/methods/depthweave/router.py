@@ -69,14 +69,30 @@ def router_score(chunk: Chunk, novelty: torch.Tensor | None) -> torch.Tensor:
     return score
 
 
+def protected(chunk: Chunk, method: DepthWeave) -> torch.Tensor | None:
+    """``[n]`` bool: the tokens ``protect`` keeps exact (the highest :func:`retrievable_scores`, at most
+    ``protect`` of the chunk, positive scores only), or ``None``."""
+    if not method.protect or chunk.retrievable is None:
+        return None
+    score = chunk.retrievable
+    count = min(round(method.protect * chunk.size), int((score > 0).sum()))
+    keep = torch.zeros(chunk.size, dtype=torch.bool, device=score.device)
+    if count > 0:
+        keep[score.topk(count).indices] = True
+    return keep
+
+
 def make_plan(chunk: Chunk, novelty: torch.Tensor | None, method: DepthWeave) -> Plan:
     """Assign every chunk token a kind: exact row, high / mid / low rank bucket, or evicted."""
     n = chunk.size
     device = chunk.slots.device
     kind = torch.full((n,), MID, dtype=torch.int64, device=device)
+    keep = protected(chunk, method)
     if not method.router:
         if method.residuals and chunk.sink is not None:
             kind[chunk.sink] = EXACT
+        if keep is not None:
+            kind[keep] = EXACT
         return Plan(kind)
     order = router_score(chunk, novelty).argsort(descending=True, stable=True)
     sinks = int(chunk.sink.sum()) if chunk.sink is not None else 0
@@ -92,6 +108,8 @@ def make_plan(chunk: Chunk, novelty: torch.Tensor | None, method: DepthWeave) ->
         kind[order[n - evicted :]] = EVICTED
     if lo > 0:
         kind[order[n - evicted - lo : n - evicted]] = LO
+    if keep is not None:
+        kind[keep] = EXACT
     return Plan(kind)
 
 
@@ -129,3 +147,56 @@ def _content_flag(token: str | None) -> float:
     if any(c.isdigit() for c in text):
         return 1.0
     return 0.5 if text[:1].isupper() else 0.0
+
+
+RETRIEVABLE_SPAN = 2
+"""Neighbours on each side of a digit token that share its protection (the separators and unit of a number,
+a UUID's dashes, the key word right before ``: 1234``), at half its score."""
+
+
+def retrievable_scores(
+    prompt_ids: torch.Tensor | None, tokenizer: Any, slots: torch.Tensor, rows: int
+) -> torch.Tensor | None:
+    """``[B, c]`` how much each prompt token looks like a value a reader later asks for, question-agnostic;
+    ``None`` without the prompt ids and a tokenizer (``cache.set_prompt(ids, tokenizer)``).
+
+    Scores: 2 for tokens with digits (numbers, dates, UUID and hex pieces: most tokenizers split them into
+    short pieces, each carrying part of the value), 1 for identifier-like tokens that occur at most 3 times in
+    the prompt (``snake_case`` or ``camelCase`` pieces, capitalised or all-caps names), 0.5 for other words
+    of 4+ letters that occur once; neighbours within :data:`RETRIEVABLE_SPAN` of a digit token get at least
+    half its score, so a value survives with its separators. Slots past the given ids score 0.
+    """
+    if prompt_ids is None or tokenizer is None:
+        return None
+    ids = torch.as_tensor(prompt_ids, device=slots.device)
+    ids = ids.view(1, -1).expand(rows, -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
+    out = torch.zeros(rows, slots.numel(), device=slots.device)
+    inside = slots < ids.shape[1]
+    for b in range(rows):
+        row = ids[b]
+        unique, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
+        tokens = tokenizer.convert_ids_to_tokens(unique.tolist())
+        flags = torch.tensor(
+            [_retrievable_flag(t, int(c)) for t, c in zip(tokens, counts.tolist(), strict=True)],
+            device=slots.device,
+        )
+        score = flags[inverse]
+        digits = (score >= 2.0).float().view(1, 1, -1)
+        near = F.max_pool1d(digits, 2 * RETRIEVABLE_SPAN + 1, stride=1, padding=RETRIEVABLE_SPAN).view(-1)
+        score = torch.maximum(score, near)  # neighbours of a digit token: 1.0 (half of 2)
+        out[b, inside] = score[slots[inside]]
+    return out
+
+
+def _retrievable_flag(token: str | None, count: int) -> float:
+    text = (token or "").lstrip("Ġ▁ Ċ")
+    if any(c.isdigit() for c in text):
+        return 2.0
+    letters = [c for c in text if c.isalpha()]
+    if not letters or count > 3:
+        return 0.0
+    if "_" in text or (text[:1].isupper() and len(letters) >= 2) or (
+        any(c.isupper() for c in text[1:]) and any(c.islower() for c in text)
+    ):
+        return 1.0
+    return 0.5 if count == 1 and len(letters) >= 4 else 0.0
