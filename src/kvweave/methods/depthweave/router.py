@@ -195,8 +195,10 @@ def _retrievable_flag(token: str | None, count: int) -> float:
     letters = [c for c in text if c.isalpha()]
     if not letters or count > 3:
         return 0.0
-    if "_" in text or (text[:1].isupper() and len(letters) >= 2) or (
-        any(c.isupper() for c in text[1:]) and any(c.islower() for c in text)
+    if (
+        "_" in text
+        or (text[:1].isupper() and len(letters) >= 2)
+        or (any(c.isupper() for c in text[1:]) and any(c.islower() for c in text))
     ):
         return 1.0
     return 0.5 if count == 1 and len(letters) >= 4 else 0.0
