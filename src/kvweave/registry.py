@@ -150,11 +150,12 @@ BUDGET_KINDS = {
 """The kinds of budget a method option can set (``Method.budget_options``)."""
 
 
-SPEC_VERSION = 3
+SPEC_VERSION = 4
 """Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
 current option names or defaults, and :func:`canonical_spec` reads them with ``Method.legacy_defaults``.
 Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
-version 3: exact tokens stored at 16 bits on float32 models (every method's ``storage=auto``)."""
+version 3: exact tokens stored at 16 bits on float32 models (every method's ``storage=auto``); version 4:
+DepthWeave keeps retrievable-looking prompt tokens exact (``protect=0.02``)."""
 
 
 def canonical_spec(

@@ -189,7 +189,7 @@ class DepthWeave(Method):
     residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)")
     residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows")
     protect: float = option(
-        0.0,
+        0.02,
         "fraction of prompt tokens kept as exact rows because they look like values users retrieve (digits, "
         "identifiers, rare names; needs cache.set_prompt(ids, tokenizer)); counted in the compression budget",
     )
@@ -226,7 +226,7 @@ class DepthWeave(Method):
     cross_layer = True
     budget_options = {"compression": "compression", "decode_tokens": "attended tokens"}
     renamed_options = {"target_ratio": "compression"}
-    legacy_defaults = {2: {"decode_tokens": 0}}
+    legacy_defaults = {2: {"decode_tokens": 0}, 4: {"protect": 0.0}}
     test_options = {
         "recent": 8,
         "block": 8,
