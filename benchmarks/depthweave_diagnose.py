@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         "--of", type=int, default=6, help="trials the depths are spread over (kvweave eval's --trials)"
     )
     parser.add_argument(
-        "--methods", default="depthweave", help="comma-separated DepthWeave specs (';' between)"
+        "--methods",
+        default="depthweave:protect=0;depthweave",
+        help="DepthWeave specs, separated by semicolons",
     )
     parser.add_argument("--out", type=Path, required=True, help="JSONL output (appended)")
     args = parser.parse_args(argv)

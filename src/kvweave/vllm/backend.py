@@ -1,0 +1,522 @@
+"""The kvweave attention backend for vLLM (v1, 0.32): ``quant`` and ``dkcache`` over vLLM's paged KV cache.
+
+Imported by vLLM only (through :data:`kvweave.vllm.BACKEND_PATH`). The method comes from ``KVWEAVE_VLLM_METHOD``
+(:class:`~kvweave.vllm.config.VllmMethod`). Storage is vLLM's: :meth:`KvweaveAttentionBackend.customize_spec`
+declares the real bytes of one slot (``state_content_bytes``), so vLLM's allocator sizes the cache — and the
+token capacity it reports — from them; each layer's cache is vLLM's ``[blocks, H, block_size, C]`` page view,
+read here as bytes.
+
+Storage (:mod:`kvweave.vllm.config`): ``quant`` writes values per token at once and keys through
+:class:`KeyResidual` — exact until their ``key_group`` of tokens is complete, then per channel into the page
+(KIVI); ``dkcache`` writes exact K/V and refreshes the written blocks' key summaries.
+
+Attention is pure torch (gather the request's blocks, unpack/dequantize, SDPA), not a fused kernel:
+
+- new tokens (prefill chunks and decode steps) attend to themselves exactly, as given by the model, and to the
+  request's earlier tokens as stored (dequantized for ``quant``, the unfinished key group exact) — kvweave's
+  transformers path also runs the prompt's attention exact and quantizes as it stores;
+- ``dkcache`` decode steps read only the sink blocks, the newest ``core_blocks`` blocks and, per KV head, the
+  ``top_blocks`` far blocks with the largest Quest upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` (the maximum
+  over the head's query group), from the per-block key summaries kept in the page tails. :data:`STATS` counts
+  the blocks read against the blocks held.
+
+Prefix caching and chunked prefill work: vLLM caches only full blocks, and a full block's codes, scales and
+summary depend on its own tokens only; a chunk reads the request's earlier blocks back from the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from kvweave.vllm.config import ENV_METHOD, DkSlot, QuantSlot, VllmMethod
+
+ENV_STATS = "KVWEAVE_VLLM_STATS"
+QUERY_CHUNK = 1024  # query rows per SDPA call in prefill chunks that read cached tokens (bounds the mask)
+
+STATS: dict[str, int] = {"decode_rows": 0, "blocks_read": 0, "blocks_held": 0, "summary_blocks_read": 0}
+"""Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
+blocks the requests held, and blocks whose summary was read (``dkcache``). ``KVWEAVE_VLLM_STATS=path``
+writes them there as JSON every 256 decode calls and at the end of each call that crosses that count."""
+_STATS_LOCK = threading.Lock()
+_calls = 0
+
+
+def current_method() -> VllmMethod:
+    """The method ``KVWEAVE_VLLM_METHOD`` names (``quant:bits=4`` when unset, e.g. ``--attention-backend CUSTOM``)."""
+    return VllmMethod.parse(os.environ.get(ENV_METHOD, "").strip() or "quant:bits=4")
+
+
+class KvweaveAttentionBackend(AttentionBackend):
+    """vLLM attention backend: kvweave's ``quant`` or ``dkcache`` over vLLM's paged cache."""
+
+    forward_includes_kv_cache_update: bool = False  # vLLM calls do_kv_cache_update first
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # [blocks, H, block_size, C]: a block's slots of a head are contiguous
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Declare the bytes of one slot, so vLLM's allocator fits ``16 / bits`` times the tokens (``quant``)."""
+        if spec.state_content_bytes is not None:
+            return spec
+        method = current_method()
+        return replace(
+            spec, state_content_bytes=method.slot_bytes(spec.head_size, spec.dtype, spec.block_size)
+        )
+
+    @staticmethod
+    def get_impl_cls() -> type[KvweaveAttentionImpl]:
+        return KvweaveAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvweaveMetadataBuilder]:
+        return KvweaveMetadataBuilder
+
+
+@dataclasses.dataclass
+class KvweaveMetadata(AttentionMetadata):
+    """What one forward needs: per request, where its new tokens are and how long it is; its block table."""
+
+    num_actual_tokens: int
+    query_start: list[int]  # [R + 1], host
+    seq_lens: list[int]  # [R], host: tokens of each request including the new ones
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+
+
+class KvweaveMetadataBuilder(AttentionMetadataBuilder[KvweaveMetadata]):
+    """Builds :class:`KvweaveMetadata` from vLLM's common metadata (host copies taken once per step)."""
+
+    def __init__(
+        self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> KvweaveMetadata:
+        common = common_attn_metadata
+        return KvweaveMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            query_start=common.query_start_loc_cpu[: common.num_reqs + 1].tolist(),
+            seq_lens=common.seq_lens[: common.num_reqs].cpu().tolist(),
+            block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping,
+        )
+
+
+class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
+    """Stores K/V in the method's slot layout and attends over the request's blocks (module docstring)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        refused = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logit soft-capping": bool(logits_soft_cap),
+            "attention sinks (learned)": sinks is not None,
+            f"attention type {attn_type!r}": attn_type != AttentionType.DECODER,
+            "a shared KV cache (kv_sharing_target_layer_name)": kv_sharing_target_layer_name is not None,
+            f"kv_cache_dtype={kv_cache_dtype!r}": kv_cache_dtype != "auto",
+        }
+        bad = [what for what, present in refused.items() if present]
+        if bad:
+            raise ValueError(
+                f"kvweave vLLM backend: {', '.join(bad)} not supported; unset {ENV_METHOD} to run vLLM's own "
+                "backend for this model (and leave kv_cache_dtype at 'auto')"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.group_size = num_heads // self.num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.method = current_method()
+        self.layout: QuantSlot | DkSlot | None = None  # built on first use (needs the dtype and block size)
+        self.residual: KeyResidual | None = None  # quant: exact keys of the key groups not yet quantized
+        self.max_requests = _max_requests()
+
+    # ----------------------------------------------------------------------------------------- layout
+    def _layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> QuantSlot | DkSlot:
+        if self.layout is None:
+            block_size, nbytes = kv_cache.shape[2], kv_cache.shape[3] * kv_cache.element_size()
+            if self.method.name == "quant":
+                self.layout = QuantSlot.of(self.method, self.head_size, block_size)
+            else:
+                self.layout = DkSlot.of(self.head_size, dtype, block_size)
+            if self.layout.nbytes != nbytes:
+                raise ValueError(
+                    f"kvweave vLLM backend: the cache has {nbytes} bytes per slot but {self.method.spec()} needs "
+                    f"{self.layout.nbytes} at block_size={block_size}; keep one {ENV_METHOD} for the whole run "
+                    "and a block size that vLLM does not split into kernel blocks"
+                )
+        return self.layout
+
+    # ----------------------------------------------------------------------------------------- store
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write ``key, value: [N, H, D]`` into their slots (``slot_mapping: [N]``, -1 = padding)."""
+        layout = self._layout(kv_cache, key.dtype)
+        pages = kv_cache.view(torch.uint8)  # [blocks, H, block_size, C]
+        count = min(slot_mapping.shape[0], key.shape[0])
+        slots = slot_mapping[:count].long()
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[:count][keep], value[:count][keep]
+        if slots.numel() == 0:
+            return
+        block_size = pages.shape[2]
+        blocks, offsets = slots // block_size, slots % block_size
+        if isinstance(layout, DkSlot):
+            pages[blocks, :, offsets, : layout.kv_bytes] = layout.pack(key, value)
+            self._update_summaries(pages, layout, blocks, offsets)
+            return
+        code = layout.code_bytes
+        pages[blocks, :, offsets, code : code + layout.value_bytes] = layout.pack_values(value)
+        residual = self._key_residual(key, block_size)
+        kept = residual.store(blocks, offsets, key)
+        self._quantize_finished_groups(pages, layout, residual, blocks[kept], offsets[kept])
+
+    def _key_residual(self, key: torch.Tensor, block_size: int) -> KeyResidual:
+        if self.residual is None:
+            self.residual = KeyResidual(
+                self.num_kv_heads, block_size, self.head_size, key.dtype, self.max_requests
+            )
+        return self.residual
+
+    @staticmethod
+    def _quantize_finished_groups(
+        pages: torch.Tensor,
+        layout: QuantSlot,
+        residual: KeyResidual,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> None:
+        """Quantize (per channel) every key group whose last token was just written, from the residual's exact
+        keys; free the residual row of every block that is now full."""
+        size = layout.key_group
+        last = offsets % size == size - 1
+        if not bool(last.any()):
+            return
+        done_blocks, done_groups = blocks[last], offsets[last] // size  # [U]
+        rows = residual.rows_of(done_blocks)
+        span = done_groups.unsqueeze(1) * size + torch.arange(size, device=blocks.device)  # [U, key_group]
+        exact = residual.keys[rows.unsqueeze(1), :, span].transpose(1, 2)  # [U, H, key_group, D]
+        codes, header = layout.quantize_keys(exact.float())
+        pages[done_blocks.unsqueeze(1), :, span, : layout.code_bytes] = codes.transpose(1, 2)
+        start, group_bytes = layout.code_bytes + layout.value_bytes, header.shape[-1]
+        for group in done_groups.unique().tolist():  # one block at most once per pass: no lost header writes
+            pick = done_groups == group
+            tails = pages[done_blocks[pick], :, :, start:].flatten(-2)  # [u, H, block_size * tail] (a copy)
+            tails[..., group * group_bytes : (group + 1) * group_bytes] = header[pick]
+            pages[done_blocks[pick], :, :, start:] = tails.unflatten(-1, (pages.shape[2], -1))
+        full = offsets[last] == pages.shape[2] - 1
+        residual.release(done_blocks[full])
+
+    @staticmethod
+    def _update_summaries(
+        pages: torch.Tensor, layout: DkSlot, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> None:
+        """Recompute the key (min, max) of every block just written from its stored keys up to the last slot
+        written (a block's slots are written in order)."""
+        touched, inverse = torch.unique(blocks, return_inverse=True)
+        last = torch.full_like(touched, -1).scatter_reduce(0, inverse, offsets, reduce="amax")  # [U]
+        keys, _ = layout.unpack(pages[touched])  # [U, H, block_size, D]
+        filled = (torch.arange(pages.shape[2], device=pages.device) <= last.unsqueeze(1))[:, None, :, None]
+        low = keys.masked_fill(~filled, float("inf")).amin(2)
+        high = keys.masked_fill(~filled, float("-inf")).amax(2)
+        pages[touched, :, :, layout.kv_bytes :] = layout.summary_tails(low, high)
+
+    # ----------------------------------------------------------------------------------------- attend
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KvweaveMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``query: [N, Hq, D]``, ``key, value: [N, H, D]`` (already stored) -> ``output: [N, Hq, D]``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvweave vLLM backend: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        layout = self._layout(kv_cache, query.dtype)
+        pages = kv_cache.view(torch.uint8)
+        meta = attn_metadata
+        decode_calls = 0
+        for row, seq_len in enumerate(meta.seq_lens):
+            start, end = meta.query_start[row], meta.query_start[row + 1]
+            if end <= start:
+                continue
+            q, k_new, v_new = query[start:end], key[start:end], value[start:end]
+            table = meta.block_table[row]
+            if end - start == 1 and isinstance(layout, DkSlot):
+                out = self._retrieval_decode(q, pages, layout, table, seq_len)
+                decode_calls += 1
+            else:
+                out = self._attend(q, k_new, v_new, pages, layout, table, seq_len)
+                decode_calls += end - start == 1
+            output[start:end] = out.to(output.dtype)
+        if decode_calls:
+            _count_calls(decode_calls)
+        return output
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pages: torch.Tensor,
+        layout: QuantSlot | DkSlot,
+        table: torch.Tensor,
+        seq_len: int,
+    ) -> torch.Tensor:
+        """Causal attention of ``q: [n, Hq, D]`` (the last ``n`` tokens) over the request's stored earlier tokens
+        and its new tokens (exact)."""
+        n = q.shape[0]
+        cached = seq_len - n
+        keys, values = k_new.transpose(0, 1).float(), v_new.transpose(0, 1).float()  # [H, n, D]
+        if cached > 0:
+            block_size = pages.shape[2]
+            held = -(-cached // block_size)
+            old_keys, old_values = self._stored(pages, layout, table[:held].long(), cached, seq_len)
+            keys = torch.cat([old_keys.float(), keys], dim=1)
+            values = torch.cat([old_values.float(), values], dim=1)
+            if n == 1:
+                _add_stats(blocks_read=held * self.num_kv_heads, blocks_held=held * self.num_kv_heads)
+        queries = q.transpose(0, 1).float()  # [Hq, n, D]
+        if cached == 0:
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+            return out.transpose(0, 1)
+        pieces = []
+        positions = torch.arange(seq_len, device=q.device)
+        for first in range(0, n, QUERY_CHUNK):
+            rows = torch.arange(first, min(n, first + QUERY_CHUNK), device=q.device) + cached
+            mask = positions[None, :] <= rows[:, None]  # [rows, seq_len]: bottom-right causal
+            pieces.append(
+                F.scaled_dot_product_attention(
+                    queries[:, first : first + QUERY_CHUNK],
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
+            )
+        return torch.cat(pieces, dim=1).transpose(0, 1)
+
+    def _stored(
+        self, pages: torch.Tensor, layout: QuantSlot | DkSlot, ids: torch.Tensor, cached: int, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``cached`` tokens of a request as stored: ``keys, values: [H, cached, D]``."""
+        blocks = pages[ids]  # [held, H, block_size, C]
+        if isinstance(layout, DkSlot):
+            keys, values = layout.unpack(blocks.transpose(0, 1).flatten(1, 2)[:, :cached])
+            return keys, values
+        keys, values = (x.transpose(0, 1).flatten(1, 2)[:, :cached] for x in layout.unpack(blocks))
+        quantized = seq_len // layout.key_group * layout.key_group  # tokens in finished key groups
+        if quantized < cached:  # the rest of the prefix: exact keys from the residual
+            assert self.residual is not None
+            block_size = pages.shape[2]
+            block = ids[quantized // block_size : quantized // block_size + 1]
+            row = self.residual.rows_of(block)[0]
+            keys = keys.clone()
+            span = slice(quantized % block_size, (cached - 1) % block_size + 1)
+            keys[:, quantized:cached] = self.residual.keys[row, :, span].float()
+        return keys, values
+
+    def _retrieval_decode(
+        self, q: torch.Tensor, pages: torch.Tensor, layout: DkSlot, table: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        """One decode row ``q: [1, Hq, D]`` over the sink, core and top-k far blocks of each KV head."""
+        method, heads, block_size = self.method, self.num_kv_heads, pages.shape[2]
+        held = -(-seq_len // block_size)
+        ids = table[:held].long()
+        queries = q[0].float().view(heads, self.group_size, -1)  # [H, g, D]
+        near = method.sink_blocks + method.core_blocks
+        if held <= near + method.top_blocks:
+            chosen = torch.arange(held, device=q.device).expand(heads, held)  # [H, held]: every block
+        else:
+            far = torch.arange(method.sink_blocks, held - method.core_blocks, device=q.device)  # [F]
+            low, high = layout.summaries(pages[ids[far]])  # [F, H, D] each
+            bounds = (
+                queries.clamp(min=0) @ high.float().permute(1, 2, 0)
+                + queries.clamp(max=0) @ low.float().permute(1, 2, 0)
+            ).amax(1)  # [H, F]: Quest bound, the maximum over the head's query group
+            top = far[bounds.topk(method.top_blocks, dim=-1).indices]  # [H, k]
+            sinks = torch.arange(method.sink_blocks, device=q.device)
+            core = torch.arange(held - method.core_blocks, held, device=q.device)
+            chosen = torch.cat([sinks.expand(heads, -1), top, core.expand(heads, -1)], dim=1)  # [H, m]
+            _add_stats(summary_blocks_read=far.numel() * heads)
+        _add_stats(blocks_read=chosen.numel(), blocks_held=held * heads)
+        head_index = torch.arange(heads, device=q.device).unsqueeze(1)
+        blocks = pages[ids[chosen], head_index]  # [H, m, block_size, C]
+        keys, values = layout.unpack(blocks.flatten(1, 2))  # [H, m * block_size, D]
+        token = (chosen.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).flatten(1)
+        logits = (queries @ keys.float().transpose(1, 2)) * self.scale  # [H, g, T]
+        logits = logits.masked_fill((token >= seq_len).unsqueeze(1), float("-inf"))
+        out = torch.softmax(logits, dim=-1) @ values.float()  # [H, g, D]
+        return out.reshape(1, self.num_heads, -1)
+
+
+class KeyResidual:
+    """Exact keys of the key groups not yet quantized, one row ``[H, block_size, D]`` per vLLM block that has
+    one (at most one block per running request: its last, partial block).
+
+    Outside vLLM's allocator: it grows on demand to ``max_rows`` rows (twice vLLM's ``max_num_seqs``), then
+    reuses the least recently written row — a request that stopped mid-block leaves its row behind, and a
+    running request writes its row every step, so the oldest row is a stale one."""
+
+    def __init__(
+        self, heads: int, block_size: int, head_size: int, dtype: torch.dtype, max_requests: int
+    ) -> None:
+        self.keys = torch.empty(0, heads, block_size, head_size, dtype=dtype)
+        self.row_of: dict[int, int] = {}
+        self.last_write: dict[int, int] = {}  # row -> step
+        self.free: list[int] = []
+        self.evicted: set[int] = set()  # blocks whose row was reused while unfinished
+        self.max_rows = 2 * max_requests
+        self.step = 0
+
+    def store(self, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """Keep ``key: [N, H, D]`` of tokens at ``(blocks, offsets)``; a block's first write (offset 0) takes
+        a new row. Returns the mask of tokens kept: a write into a block with no row that does not start it is
+        vLLM recomputing a token of a full, prefix-cached block (its last prompt token), already quantized."""
+        self.step += 1
+        skipped = []
+        for block, first in zip(*_first_offsets(blocks, offsets), strict=True):
+            if first == 0:
+                self.release(torch.tensor([block]))
+                self.evicted.discard(block)
+                self.row_of[block] = self._take_row()
+            elif block not in self.row_of:
+                if block in self.evicted:
+                    raise RuntimeError(
+                        f"kvweave quant: block {block} continues at slot {first} but its exact keys were evicted "
+                        f"(more than {self.max_rows} blocks in flight); lower max_num_seqs"
+                    )
+                skipped.append(block)
+                continue
+            self.last_write[self.row_of[block]] = self.step
+        kept = (
+            ~torch.isin(blocks, torch.tensor(skipped, dtype=blocks.dtype))
+            if skipped
+            else torch.ones_like(blocks, dtype=torch.bool)
+        )
+        rows = self.rows_of(blocks[kept])
+        self.keys[rows, :, offsets[kept]] = key[kept].to(self.keys.dtype)
+        return kept
+
+    def rows_of(self, blocks: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self.row_of[int(b)] for b in blocks.tolist()], dtype=torch.long)
+
+    def release(self, blocks: torch.Tensor) -> None:
+        for block in blocks.tolist():
+            row = self.row_of.pop(int(block), None)
+            if row is not None:
+                self.free.append(row)
+                self.last_write.pop(row, None)
+
+    def _take_row(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.keys.shape[0] < self.max_rows:
+            grown = max(4, self.keys.shape[0])
+            first = self.keys.shape[0]
+            self.keys = torch.cat([self.keys, self.keys.new_empty(grown, *self.keys.shape[1:])])
+            self.free.extend(range(first + grown - 1, first, -1))
+            return first
+        stale = min(self.last_write, key=self.last_write.__getitem__)  # least recently written row
+        block = next(b for b, r in self.row_of.items() if r == stale)
+        self.release(torch.tensor([block]))
+        self.evicted.add(block)
+        return self.free.pop()
+
+
+def _first_offsets(blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The distinct blocks written and the smallest offset written in each."""
+    touched, inverse = torch.unique(blocks, return_inverse=True)
+    first = torch.full_like(touched, 1 << 30).scatter_reduce(0, inverse, offsets, reduce="amin")
+    return touched.tolist(), first.tolist()
+
+
+def _max_requests() -> int:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return int(get_current_vllm_config().scheduler_config.max_num_seqs)
+    except Exception:  # outside an engine (unit tests): a small pool
+        return 8
+
+
+def _add_stats(**counts: int) -> None:
+    with _STATS_LOCK:
+        for name, value in counts.items():
+            STATS[name] += value
+
+
+def _count_calls(rows: int) -> None:
+    """Count decode rows; every 256 calls, write :data:`STATS` to ``KVWEAVE_VLLM_STATS`` if set."""
+    global _calls
+    with _STATS_LOCK:
+        STATS["decode_rows"] += rows
+        _calls += 1
+        due = _calls % 256 == 0
+        snapshot = dict(STATS)
+    path = os.environ.get(ENV_STATS)
+    if due and path:
+        with open(path, "w") as handle:
+            json.dump(snapshot, handle)

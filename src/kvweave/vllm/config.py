@@ -1,0 +1,265 @@
+"""The kvweave method a vLLM run uses, and the byte layout of one KV slot (one token of one KV head).
+
+Torch only (no vLLM import), so the layouts are tested against kvweave's own quantizers without an engine.
+
+- ``quant`` (KIVI, asymmetric min/max codes of :func:`kvweave.ops.quantize.quantize`, packed ``8 // bits`` per
+  byte by :func:`~kvweave.ops.quantize.pack_codes`): keys per channel over groups of ``key_group`` tokens of a
+  block (the groups' scales in a per-block header spread over the slots' tails), values per token. A per-channel
+  scale needs its whole group, and vLLM writes a block slot by slot as decode proceeds, so a group's exact keys
+  wait outside the page until its last token arrives (docs/vllm.md, "quant").
+- ``dkcache`` (DK-Cache's page retrieval): each slot holds the exact key and value in the model's dtype, plus a
+  small tail; the tails of a block's ``block_size`` slots, read together, hold that block's per-channel key
+  minimum and maximum in the model's dtype (the Quest summary, :mod:`kvweave.ops.pages`). The summaries live in
+  vLLM's own pages, so the allocator accounts for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from kvweave.ops.quantize import pack_codes, quantize, unpack_codes
+
+ENV_METHOD = "KVWEAVE_VLLM_METHOD"
+METHODS = ("quant", "dkcache")
+_SCALE_BYTES = 2  # float16 scale and minimum
+_ALIGN = 4  # slot bytes stay a multiple of 4 so float32 models can view the page too
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmMethod:
+    """A kvweave method for vLLM: ``quant`` (``bits``; ``key_group``: tokens per per-channel key scale;
+    ``group``: channels per value scale, 0 = the whole head) or ``dkcache`` (``sink_blocks``, ``core_blocks``,
+    ``top_blocks``)."""
+
+    name: str
+    bits: int = 4
+    group: int = 0
+    key_group: int = 64
+    sink_blocks: int = 1
+    core_blocks: int = 4
+    top_blocks: int = 8
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise ValueError(
+                f"{ENV_METHOD}: method {self.name!r} is not available in vLLM; choose from {METHODS}"
+            )
+        if self.bits not in (8, 4, 2):
+            raise ValueError(
+                f"{ENV_METHOD}: quant option bits={self.bits} is not supported; choose 8, 4 or 2"
+            )
+        if self.key_group < 1:
+            raise ValueError(
+                f"{ENV_METHOD}: option key_group={self.key_group} must be >= 1 (tokens per key scale)"
+            )
+        if self.group < 0:
+            raise ValueError(f"{ENV_METHOD}: option group={self.group} must be >= 0 (0: one group per head)")
+        for option in ("sink_blocks", "core_blocks", "top_blocks"):
+            if getattr(self, option) < (1 if option == "core_blocks" else 0):
+                raise ValueError(
+                    f"{ENV_METHOD}: dkcache option {option}={getattr(self, option)} is out of range "
+                    f"(core_blocks >= 1, the others >= 0)"
+                )
+
+    @classmethod
+    def parse(cls, spec: str) -> VllmMethod:
+        """``"quant:bits=4,group=32"`` -> :class:`VllmMethod` (a one-line ``ValueError`` names a bad part)."""
+        return _parse(spec.strip())
+
+    def spec(self) -> str:
+        """The canonical spec string (the options that apply to this method)."""
+        if self.name == "quant":
+            return f"quant:bits={self.bits},group={self.group},key_group={self.key_group}"
+        return f"dkcache:sink_blocks={self.sink_blocks},core_blocks={self.core_blocks},top_blocks={self.top_blocks}"
+
+    def slot_bytes(self, head_size: int, dtype: torch.dtype, block_size: int) -> int:
+        """Bytes of one KV slot (what vLLM's ``AttentionSpec.state_content_bytes`` declares)."""
+        if self.name == "quant":
+            return QuantSlot.of(self, head_size, block_size).nbytes
+        return DkSlot.of(head_size, dtype, block_size).nbytes
+
+
+@functools.lru_cache(maxsize=32)
+def _parse(spec: str) -> VllmMethod:
+    name, _, rest = spec.partition(":")
+    fields = {f.name: f.type for f in dataclasses.fields(VllmMethod) if f.name != "name"}
+    options: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(
+                f"{ENV_METHOD}: cannot read {part!r} in {spec!r}; write name:option=value,... with options "
+                f"from {sorted(fields)}"
+            )
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_METHOD}: option {key}={value!r} must be an integer") from None
+    return VllmMethod(name.strip(), **options)  # type: ignore[arg-type]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+# ----------------------------------------------------------------------------------------------- quant
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSlot:
+    """``[key codes | value codes | value scale, value min | header tail]`` (bytes), KIVI's split:
+
+    - keys **per channel** over groups of ``key_group`` consecutive tokens of a block: codes packed along
+      channels in the slot; each group's float16 ``(scale [D], minimum [D])`` live in the block's header — the
+      tails of its ``block_size`` slots read together (``block_size / key_group`` groups of ``4·D`` bytes);
+    - values **per token**, one float16 (scale, minimum) per ``group`` channels, in the slot.
+
+    A key group is quantized when its last token is written; until then its tokens' exact keys wait in the
+    backend's residual (:class:`~kvweave.vllm.backend.KeyResidual`)."""
+
+    head_size: int
+    bits: int
+    group: int
+    key_group: int
+    block_size: int
+
+    @classmethod
+    def of(cls, method: VllmMethod, head_size: int, block_size: int) -> QuantSlot:
+        group = method.group or head_size
+        if head_size % group or group % (8 // method.bits):
+            raise ValueError(
+                f"{ENV_METHOD}: quant option group={method.group} does not fit head_size {head_size} at "
+                f"bits={method.bits}; use 0 (one group per head) or a divisor of {head_size}"
+            )
+        if block_size % method.key_group:
+            raise ValueError(
+                f"{ENV_METHOD}: quant option key_group={method.key_group} must divide vLLM's block size "
+                f"{block_size}; pick a divisor (e.g. 64) or set --block-size"
+            )
+        return cls(head_size, method.bits, group, method.key_group, block_size)
+
+    @property
+    def code_bytes(self) -> int:
+        return self.head_size * self.bits // 8
+
+    @property
+    def value_groups(self) -> int:
+        return self.head_size // self.group
+
+    @property
+    def value_bytes(self) -> int:
+        """Value codes + their scales and minima."""
+        return self.code_bytes + 2 * self.value_groups * _SCALE_BYTES
+
+    @property
+    def header_bytes(self) -> int:
+        """Per block and head: ``(scale, minimum)`` of every key group, ``[groups, 2, D]`` float16."""
+        return self.block_size // self.key_group * 2 * self.head_size * _SCALE_BYTES
+
+    @property
+    def tail_bytes(self) -> int:
+        used = self.code_bytes + self.value_bytes
+        return _aligned(used + math.ceil(self.header_bytes / self.block_size)) - used
+
+    @property
+    def nbytes(self) -> int:
+        return self.code_bytes + self.value_bytes + self.tail_bytes
+
+    def pack_values(self, value: torch.Tensor) -> torch.Tensor:
+        """``value: [N, H, D]`` -> ``[N, H, value_bytes]`` uint8 (codes, then scales and minima)."""
+        grouped = value.reshape(*value.shape[:-1], self.value_groups, self.group)
+        codes, scale, minimum = quantize(grouped, -1, self.bits)  # per token, per channel group
+        meta = torch.cat([scale.squeeze(-1), minimum.squeeze(-1)], dim=-1).contiguous().view(torch.uint8)
+        return torch.cat([pack_codes(codes.flatten(-2), self.bits), meta], dim=-1)
+
+    def quantize_keys(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole key groups ``keys: [U, H, key_group, D]`` -> packed codes ``[U, H, key_group, code_bytes]`` and
+        the groups' header bytes ``[U, H, 4·D]`` (per channel over the group's tokens, KIVI)."""
+        codes, scale, minimum = quantize(keys, 2, self.bits)  # scale, minimum: [U, H, 1, D]
+        header = torch.cat([scale, minimum], dim=2).flatten(-2).contiguous().view(torch.uint8)
+        return pack_codes(codes, self.bits), header
+
+    def header_view(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks ``[nb, H, block_size, nbytes]`` -> their key headers' bytes ``[nb, H, header_bytes]``."""
+        start = self.code_bytes + self.value_bytes
+        return blocks[..., start:].flatten(-2)[..., : self.header_bytes]
+
+    def unpack(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``[nb, H, block_size, nbytes]`` uint8 -> float32 ``keys, values: [nb, H, block_size, D]``.
+
+        Keys of a key group not yet quantized are meaningless here (the caller takes them from the residual)."""
+        c, d = self.code_bytes, self.head_size
+        header = self.header_view(blocks).contiguous().view(torch.float16).float()
+        header = header.unflatten(-1, (-1, 2, d))  # [nb, H, groups, 2, D]
+        scale = header[..., 0, :].repeat_interleave(self.key_group, dim=2)  # [nb, H, block_size, D]
+        minimum = header[..., 1, :].repeat_interleave(self.key_group, dim=2)
+        keys = unpack_codes(blocks[..., :c].contiguous(), self.bits).float() * scale + minimum
+        meta = blocks[..., 2 * c : c + self.value_bytes].contiguous().view(torch.float16).float()
+        value_scale, value_min = meta.split(self.value_groups, dim=-1)
+        codes = unpack_codes(blocks[..., c : 2 * c].contiguous(), self.bits).float()
+        codes = codes.unflatten(-1, (self.value_groups, self.group))
+        values = (codes * value_scale.unsqueeze(-1) + value_min.unsqueeze(-1)).flatten(-2)
+        return keys, values
+
+
+# ----------------------------------------------------------------------------------------------- dkcache
+
+
+@dataclasses.dataclass(frozen=True)
+class DkSlot:
+    """``[key | value | summary tail]`` (bytes): exact key and value in ``dtype``; the tails of a block's
+    slots, concatenated in slot order, start with the block's key summary ``[2, D]`` (min, max) in ``dtype``."""
+
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+
+    @classmethod
+    def of(cls, head_size: int, dtype: torch.dtype, block_size: int) -> DkSlot:
+        return cls(head_size, dtype, block_size)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.head_size * self.element_size
+
+    @property
+    def summary_bytes(self) -> int:
+        return 2 * self.head_size * self.element_size
+
+    @property
+    def tail_bytes(self) -> int:
+        return _aligned(math.ceil(self.summary_bytes / self.block_size))
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_bytes + self.tail_bytes
+
+    def pack(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``key, value: [N, H, D]`` -> the key/value part of the slots, ``[N, H, kv_bytes]`` uint8."""
+        kv = torch.cat([key.to(self.dtype), value.to(self.dtype)], dim=-1).contiguous()
+        return kv.view(torch.uint8)
+
+    def unpack(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[..., nbytes]`` uint8 -> ``key, value: [..., D]`` in ``dtype``."""
+        kv = slots[..., : self.kv_bytes].contiguous().view(self.dtype)
+        return kv[..., : self.head_size], kv[..., self.head_size :]
+
+    def summaries(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``[nb, H, block_size, nbytes]`` uint8 -> key ``(min, max)``, each ``[nb, H, D]`` in ``dtype``."""
+        tails = blocks[..., self.kv_bytes :].flatten(-2)[..., : self.summary_bytes].contiguous()
+        low_high = tails.view(self.dtype).unflatten(-1, (2, self.head_size))
+        return low_high[..., 0, :], low_high[..., 1, :]
+
+    def summary_tails(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """Summaries ``low, high: [U, H, D]`` -> the tails of the blocks' slots, ``[U, H, block_size, tail]``."""
+        data = torch.cat([low.to(self.dtype), high.to(self.dtype)], dim=-1).contiguous().view(torch.uint8)
+        padded = torch.nn.functional.pad(data, (0, self.block_size * self.tail_bytes - self.summary_bytes))
+        return padded.unflatten(-1, (self.block_size, self.tail_bytes))

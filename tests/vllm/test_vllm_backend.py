@@ -1,0 +1,375 @@
+"""kvweave's vLLM backend against vLLM's own CPU backend, in the vLLM venv (``make vllm-test``; docs/vllm.md).
+
+Each engine runs in its own process (``benchmarks/vllm_bench.py``), one at a time. The main venv skips this
+module (no vLLM there). The real-model tests need ``qwen2.5-coder-0.5b`` converted (``kvweave models pull``)
+and are marked ``integration``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# not plain "vllm": with tests/ on sys.path this folder is itself a namespace package named vllm
+pytest.importorskip("vllm.v1.attention.backend", reason="vLLM is not installed (scripts/vllm_env.sh)")
+
+import torch  # noqa: E402
+
+from kvweave.ops.quantize import dequantize, quantize  # noqa: E402
+from kvweave.vllm.config import DkSlot, QuantSlot, VllmMethod  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "vllm_bench.py"
+sys.path.insert(0, str(BENCH.parent))
+from vllm_bench import agreement  # noqa: E402
+
+HOME = Path(os.environ.get("KVWEAVE_HOME", Path.home() / ".cache" / "kvweave"))
+QWEN = HOME / "models" / "qwen2.5-coder-0.5b"
+SMOL = (
+    HOME / "models" / "smollm2-135m"
+)  # `make test` pulls it: the tiny model's tokenizer when qwen is absent
+DATA = Path(os.environ.get("KVWEAVE_DATA", ROOT.parent / "shared" / "data"))  # evaluation data (essays)
+TIE = 0.5  # a greedy mismatch is allowed only where vLLM's own top-2 logprobs are this close (see agreement)
+
+
+def bench(*args: str, timeout: float = 1800) -> dict[str, Any]:
+    """Run one ``vllm_bench.py`` subcommand (its own vLLM process) and return the JSON it wrote."""
+    out = Path(args[args.index("--out") + 1])
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "KVWEAVE_DATA": str(DATA),
+    }
+    run = subprocess.run(
+        [sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, (
+        f"vllm_bench {' '.join(args)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    )
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------- layouts (no engine)
+
+
+def test_slot_bytes_give_the_expected_capacity_ratio() -> None:
+    bf16 = 2 * 64 * 2  # vLLM's slot: key + value of one head, bfloat16
+    ratios = {bits: bf16 / QuantSlot.of(VllmMethod("quant", bits=bits), 64, 128).nbytes for bits in (8, 4, 2)}
+    assert ratios[4] >= 3.5 and ratios[8] >= 1.85 and ratios[2] >= 6.0
+    assert (
+        DkSlot.of(64, torch.bfloat16, 128).nbytes == bf16 + 4
+    )  # summaries cost 4 bytes a slot at 128 tokens
+
+
+def test_bad_method_specs_fail_with_one_line() -> None:
+    for spec, word in (("quant:bits=3", "bits"), ("h2o", "choose from"), ("quant:rank=2", "cannot read")):
+        with pytest.raises(ValueError, match=word) as error:
+            VllmMethod.parse(spec)
+        assert "\n" not in str(error.value) and "KVWEAVE_VLLM_METHOD" in str(error.value)
+    with pytest.raises(ValueError, match="does not fit head_size"):
+        QuantSlot.of(VllmMethod("quant", bits=4, group=48), 64, 128)
+    with pytest.raises(ValueError, match="must divide vLLM's block size"):
+        QuantSlot.of(VllmMethod("quant", bits=4, key_group=48), 64, 128)
+
+
+def _impl(method: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from kvweave.vllm.backend import KvweaveAttentionImpl
+
+    monkeypatch.setenv("KVWEAVE_VLLM_METHOD", method)
+    return KvweaveAttentionImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quant_store_is_kivi_per_channel_keys_per_token_values(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill then decode steps through vLLM's write hook: what attention reads back is kvweave's
+    quantizer — keys per channel over each finished 64-token group, exact in the unfinished one; values per
+    token — and a block's residual row is released once the block is full."""
+    impl = _impl(f"quant:bits={bits}", monkeypatch)
+    torch.manual_seed(bits)
+    block, length = 128, 300
+    slot = QuantSlot.of(impl.method, 64, block)
+    cache = torch.zeros(10, 2, block, slot.nbytes // 2, dtype=torch.bfloat16)
+    keys = (
+        torch.randn(length, 2, 64) * torch.linspace(0.1, 6, 64)
+    ).bfloat16()  # outlier channels, as real keys
+    values = torch.randn(length, 2, 64).bfloat16()
+    table = torch.tensor([7, 2, 5, 0], dtype=torch.int32)
+    slots = (table[:3].long().repeat_interleave(block) * block + torch.arange(block).repeat(3))[:length]
+    written = 0
+    for count in [70, 70, 60] + [1] * 100:
+        impl.do_kv_cache_update(
+            None,
+            keys[written : written + count],
+            values[written : written + count],
+            cache,
+            slots[written : written + count],
+        )
+        written += count
+        if written not in (140, 256, 257, 300):
+            continue
+        held = -(-written // block)
+        got_keys, got_values = impl._stored(
+            cache.view(torch.uint8), impl.layout, table[:held].long(), written - 1, written
+        )
+        expected = keys[:written].float().clone()
+        for group in range(written // 64):
+            part = slice(group * 64, (group + 1) * 64)
+            expected[part] = dequantize(*quantize(expected[part], 0, bits))
+        torch.testing.assert_close(got_keys.transpose(0, 1), expected[: written - 1], rtol=0, atol=0)
+        expected_values = dequantize(*quantize(values[: written - 1].float(), -1, bits))
+        torch.testing.assert_close(got_values.transpose(0, 1), expected_values, rtol=0, atol=0)
+    assert impl.residual is not None and list(impl.residual.row_of) == [5]  # blocks 7 and 2 are full
+
+
+def test_retrieval_decode_reads_the_needle_block_and_matches_attention_over_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks of 16 tokens; block 6 holds keys aligned with the query. The top-1 far block by the Quest bound
+    must be block 6, and the output must equal exact attention over sinks + block 6 + the core."""
+    impl = _impl("dkcache:sink_blocks=1,core_blocks=2,top_blocks=1", monkeypatch)
+    torch.manual_seed(0)
+    block, held, length = 16, 12, 12 * 16 - 5
+    slot = DkSlot.of(64, torch.float32, block)
+    cache = torch.zeros(20, 2, block, slot.nbytes // 4)  # vLLM's page view, float32
+    table = torch.randperm(20)[:held].int()
+    keys, values = torch.randn(length, 2, 64), torch.randn(length, 2, 64)
+    query = torch.randn(1, 4, 64)
+    keys[6 * block : 7 * block] += 4 * query[0, ::2]  # kv head h serves query heads 2h, 2h+1
+    slots = (table.long().repeat_interleave(block) * block + torch.arange(block).repeat(held))[:length]
+    for first in range(0, length, 50):  # chunked writes, as prefill chunks and decode steps do
+        impl.do_kv_cache_update(
+            None, keys[first : first + 50], values[first : first + 50], cache, slots[first : first + 50]
+        )
+    pages = cache.view(torch.uint8)
+    out = impl._retrieval_decode(query, pages, impl._layout(cache, torch.float32), table, length)
+    kept = torch.cat(
+        [torch.arange(0, block), torch.arange(6 * block, 7 * block), torch.arange(10 * block, length)]
+    )
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        keys[kept].transpose(0, 1),
+        values[kept].transpose(0, 1),
+        scale=0.125,
+        enable_gqa=True,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    low, high = slot.summaries(pages[table.long()])
+    torch.testing.assert_close(low[3], keys[3 * block : 4 * block].amin(0))
+    torch.testing.assert_close(high[11], keys[11 * block :].amax(0))  # the partial last block
+
+
+def test_backend_refuses_what_it_does_not_implement(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvweave.vllm.backend import KvweaveAttentionImpl
+
+    monkeypatch.setenv("KVWEAVE_VLLM_METHOD", "quant:bits=4")
+    with pytest.raises(ValueError, match="sliding-window attention.*unset KVWEAVE_VLLM_METHOD"):
+        KvweaveAttentionImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, sliding_window=128)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        KvweaveAttentionImpl(num_heads=4, head_size=64, scale=0.125, num_kv_heads=2, kv_cache_dtype="fp8")
+
+
+# ------------------------------------------------------------------------- tiny random model in vLLM
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    source = QWEN if QWEN.exists() else SMOL if SMOL.exists() else None
+    if source is None:
+        pytest.skip(f"no tokenizer to copy: {QWEN} and {SMOL} are missing (kvweave models pull smollm2-135m)")
+    subprocess.run(
+        [sys.executable, str(BENCH), "tiny", "--out", str(folder), "--tokenizer-from", str(source)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """float32 (no bf16 logit ties): vLLM's backend, dkcache (exact storage), quant at 8 and 4 bits."""
+    out = tmp_path_factory.mktemp("tiny-runs")
+    runs = {}
+    for method in ("none", "dkcache", "quant:bits=8", "quant:bits=4"):
+        name = method.replace(":", "-").replace("=", "")
+        runs[method] = bench(
+            "generate",
+            "--model",
+            str(tiny),
+            "--method",
+            method,
+            "--dtype",
+            "float32",
+            "--out",
+            str(out / f"{name}.json"),
+        )
+    return runs
+
+
+def test_tiny_exact_storage_matches_vllm_tokens(tiny_runs: dict[str, dict[str, Any]]) -> None:
+    assert tiny_runs["dkcache"]["tokens"] == tiny_runs["none"]["tokens"]
+
+
+def test_tiny_quant8_greedy_tokens_differ_only_at_near_ties(tiny_runs: dict[str, dict[str, Any]]) -> None:
+    result = agreement(tiny_runs["none"], tiny_runs["quant:bits=8"], TIE)
+    assert result["confident_mismatches"] == 0, result
+    assert sum(p["matched"] for p in result["prompts"]) >= len(result["prompts"]) * 16 // 2, result
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tiny_kv_capacity_follows_the_slot_bytes(tiny_runs: dict[str, dict[str, Any]], bits: int) -> None:
+    """float32 here: vLLM's slot is 512 bytes a head, so the ratio is ≈ 32 / bits less the scales."""
+    ratio = tiny_runs[f"quant:bits={bits}"]["kv_tokens"] / tiny_runs["none"]["kv_tokens"]
+    expected = (2 * 64 * 4) / QuantSlot.of(VllmMethod("quant", bits=bits), 64, 128).nbytes
+    assert abs(ratio - expected) / expected < 0.01, (ratio, expected)
+    assert ratio >= 0.85 * 32 / bits
+
+
+@pytest.mark.parametrize("method", ["quant:bits=8", "dkcache"])
+def test_tiny_prefix_caching_gives_the_same_tokens(tiny: Path, tmp_path: Path, method: str) -> None:
+    """~400-token prompts sent twice: the second pass reuses the first pass's full blocks (vLLM reports the
+    cached tokens) and must give the same greedy tokens."""
+    run = bench(
+        "generate",
+        "--model",
+        str(tiny),
+        "--method",
+        method,
+        "--dtype",
+        "float32",
+        "--prefix-caching",
+        "--out",
+        str(tmp_path / "prefix.json"),
+    )
+    half = len(run["tokens"]) // 2
+    assert all(cached >= 128 for cached in run["cached_tokens"][half:]), run["cached_tokens"]
+    assert run["tokens"][half:] == run["tokens"][:half]
+
+
+# ------------------------------------------------------------------------------ qwen2.5-coder-0.5b
+
+
+needs_qwen = pytest.mark.skipif(
+    not QWEN.exists(), reason=f"{QWEN} missing (kvweave models pull qwen2.5-coder-0.5b)"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("qwen-runs")
+    runs = {}
+    for method, dtype in (
+        ("none", "float32"),
+        ("quant:bits=8", "float32"),
+        ("none", "bfloat16"),
+        ("quant:bits=4", "bfloat16"),
+    ):
+        name = f"{method.replace(':', '-').replace('=', '')}-{dtype}"
+        runs[f"{method}/{dtype}"] = bench(
+            "generate",
+            "--model",
+            str(QWEN),
+            "--method",
+            method,
+            "--dtype",
+            dtype,
+            "--kv-space",
+            "2",
+            "--tokens",
+            "24",
+            "--out",
+            str(out / f"{name}.json"),
+        )
+    return runs
+
+
+@pytest.mark.integration
+@needs_qwen
+def test_qwen_quant8_greedy_tokens_match_vllm(qwen_runs: dict[str, dict[str, Any]]) -> None:
+    result = agreement(qwen_runs["none/float32"], qwen_runs["quant:bits=8/float32"], TIE)
+    assert result["confident_mismatches"] == 0, result
+
+
+@pytest.mark.integration
+@needs_qwen
+def test_qwen_quant4_holds_at_least_3_5x_the_kv_tokens(qwen_runs: dict[str, dict[str, Any]]) -> None:
+    ratio = qwen_runs["quant:bits=4/bfloat16"]["kv_tokens"] / qwen_runs["none/bfloat16"]["kv_tokens"]
+    assert ratio >= 3.5, ratio
+
+
+def _transformers_accuracy(run: str, method: str) -> float:
+    """Passkey accuracy of kvweave's transformers path in a committed ``kvweave eval`` run."""
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "docs" / "data" / "runs" / run / "rows.jsonl").read_text().splitlines()
+    ]
+    scores = [r["score"] for r in rows if r["method"] == method and r["task"] == "passkey"]
+    assert scores, f"no {method} passkey rows in docs/data/runs/{run}"
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.integration
+@needs_qwen
+def test_qwen_passkey_4k_over_http_scores_as_the_transformers_path(tmp_path: Path) -> None:
+    run = bench(
+        "serve-passkey",
+        "--model",
+        str(QWEN),
+        "--method",
+        "quant:bits=4",
+        "--context",
+        "4096",
+        "--trials",
+        "9",
+        "--max-model-len",
+        "4608",
+        "--kv-space",
+        "1",
+        "--out",
+        str(tmp_path / "http.json"),
+        timeout=3600,
+    )
+    assert run["accuracy"] >= _transformers_accuracy("passkey-4k", "quant"), run["rows"]
+
+
+@pytest.mark.integration
+@needs_qwen
+@pytest.mark.skipif(
+    not (DATA / "pg_essays").exists(), reason=f"no essays haystack under {DATA} (KVWEAVE_DATA)"
+)
+def test_qwen_dkcache_reads_a_quarter_of_the_blocks_at_8k(tmp_path: Path) -> None:
+    run = bench(
+        "passkey",
+        "--model",
+        str(QWEN),
+        "--method",
+        "dkcache",
+        "--context",
+        "8192",
+        "--trials",
+        "3",
+        "--haystack",
+        "essays",
+        "--tokens",
+        "12",
+        "--max-model-len",
+        "8704",
+        "--kv-space",
+        "1",
+        "--out",
+        str(tmp_path / "dk.json"),
+        timeout=3600,
+    )
+    assert run["decode_blocks_read_fraction"] <= 0.25, run["stats"]
+    assert run["accuracy"] >= _transformers_accuracy("dkcache-8k", "dkcache:ratio=0.125"), run["rows"]
