@@ -7,6 +7,7 @@ the prompt ids were given (``cache.set_prompt``), its content (:func:`content_sc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,21 +125,32 @@ def content_scores(
     """
     if prompt_ids is None:
         return None
+
+    def score(unique: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        rarity = 1.0 / counts[inverse].float()
+        if tokenizer is None:
+            return rarity
+        tokens = tokenizer.convert_ids_to_tokens(unique.tolist())
+        return rarity + torch.tensor([_content_flag(t) for t in tokens], device=slots.device)[inverse]
+
+    return _per_token(prompt_ids, slots, rows, score)
+
+
+def _per_token(
+    prompt_ids: Any,
+    slots: torch.Tensor,
+    rows: int,
+    score: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``[B, c]`` a per-token signal of the prompt ids (``[n]`` or ``[B, n]``) at ``slots``: ``score(unique,
+    inverse, counts)`` of each row's ``torch.unique`` gives ``[n]``; slots past the ids score 0."""
     ids = torch.as_tensor(prompt_ids, device=slots.device)
     ids = ids.view(1, -1).expand(rows, -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
     out = torch.zeros(rows, slots.numel(), device=slots.device)
     inside = slots < ids.shape[1]
     for b in range(rows):
-        row = ids[b]
-        unique, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
-        score = 1.0 / counts[inverse].float()
-        if tokenizer is not None:
-            flags = torch.tensor(
-                [_content_flag(t) for t in tokenizer.convert_ids_to_tokens(unique.tolist())],
-                device=slots.device,
-            )
-            score = score + flags[inverse]
-        out[b, inside] = score[slots[inside]]
+        unique, inverse, counts = torch.unique(ids[b], return_inverse=True, return_counts=True)
+        out[b, inside] = score(unique, inverse, counts)[slots[inside]]
     return out
 
 
@@ -168,24 +180,16 @@ def retrievable_scores(
     """
     if prompt_ids is None or tokenizer is None:
         return None
-    ids = torch.as_tensor(prompt_ids, device=slots.device)
-    ids = ids.view(1, -1).expand(rows, -1) if ids.dim() == 1 or ids.shape[0] == 1 else ids
-    out = torch.zeros(rows, slots.numel(), device=slots.device)
-    inside = slots < ids.shape[1]
-    for b in range(rows):
-        row = ids[b]
-        unique, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
+
+    def score(unique: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         tokens = tokenizer.convert_ids_to_tokens(unique.tolist())
-        flags = torch.tensor(
-            [_retrievable_flag(t, int(c)) for t, c in zip(tokens, counts.tolist(), strict=True)],
-            device=slots.device,
-        )
-        score = flags[inverse]
-        digits = (score >= 2.0).float().view(1, 1, -1)
+        flags = [_retrievable_flag(t, int(c)) for t, c in zip(tokens, counts.tolist(), strict=True)]
+        value = torch.tensor(flags, device=slots.device)[inverse]
+        digits = (value >= 2.0).float().view(1, 1, -1)
         near = F.max_pool1d(digits, 2 * RETRIEVABLE_SPAN + 1, stride=1, padding=RETRIEVABLE_SPAN).view(-1)
-        score = torch.maximum(score, near)  # neighbours of a digit token: 1.0 (half of 2)
-        out[b, inside] = score[slots[inside]]
-    return out
+        return torch.maximum(value, near)  # neighbours of a digit token: 1.0 (half of 2)
+
+    return _per_token(prompt_ids, slots, rows, score)
 
 
 def _retrievable_flag(token: str | None, count: int) -> float:
