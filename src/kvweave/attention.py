@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from kvweave._compat import register_attention_function, sdpa_attention
+from kvweave.prompt import install_hook, remove_hook
 
 ATTENTION_NAME = "kvweave"
 _PREVIOUS_ATTR = "_kvweave_previous_attn_implementation"
@@ -112,6 +113,7 @@ def prepare(model: Any) -> Any:
         )
     setattr(model, _PREVIOUS_ATTR, previous)
     model.set_attn_implementation(ATTENTION_NAME)
+    install_hook(model)  # every forward pass hands its input_ids to the kvweave cache it runs with
     return model
 
 
@@ -121,4 +123,5 @@ def restore(model: Any) -> Any:
     if previous is not None and is_prepared(model):
         model.set_attn_implementation(previous)
         delattr(model, _PREVIOUS_ATTR)
+    remove_hook(model)
     return model

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -24,23 +25,32 @@ import torch
 
 from kvweave._compat import Cache, CacheLayerMixin, default_layers, mask_to_bool, sdpa_attention, text_config
 from kvweave.attention import mark_pending, prepare
-from kvweave.distributed import local_kv_heads, tensor_parallel
 from kvweave.ops.attention import masked_attention
 from kvweave.ops.masking import visible_mask
 from kvweave.ops.rope import RopeTable, Rotary, find_rotary
 from kvweave.ops.storage import storage_dtype
+from kvweave.prompt import tokenizer_for
 from kvweave.registry import Method, parse_method
 from kvweave.state import Stateful
+from kvweave.tp import local_kv_heads, tensor_parallel
 
 
-def make_cache(method: str | Method = "full", model: Any = None, **options: Any) -> KVCache:
-    """A ``transformers.Cache`` that compresses with ``method`` (prepares ``model`` for kvweave's attention)."""
+def make_cache(
+    method: str | Method = "full", model: Any = None, tokenizer: Any = None, **options: Any
+) -> KVCache:
+    """A ``transformers.Cache`` that compresses with ``method`` (prepares ``model`` for kvweave's attention).
+
+    ``options`` override the method's (``make_cache("quant", model, bits=4)``). ``tokenizer`` is what
+    content-aware methods read token ids with; by default the one :func:`kvweave.load_model` returned for
+    ``model``, else the one in the model's local folder. The token ids themselves reach the cache by
+    themselves: every forward pass of a prepared model hands over its ``input_ids``.
+    """
     if model is None:
         raise ValueError("make_cache needs the model: kvweave.make_cache(method, model, **options)")
     chosen = parse_method(method, **options)
-    if chosen.uses_kvweave_attention:
+    if chosen.uses_kvweave_attention or chosen.reads_token_ids:
         prepare(model)
-    return KVCache(chosen, model)
+    return KVCache(chosen, model, tokenizer)
 
 
 # ------------------------------------------------------------------------------------------------ cache
@@ -73,6 +83,31 @@ class CacheContext(Stateful):
         self.rope_tables: dict[str, RopeTable] = {}  # by layer type
         self.recorded: dict[int, Any] = {}  # kvweave.eval.prefill: each layer's recorded prefill step
         self._step: tuple[Any, tuple[int, int, int], StepPositions] | None = None
+        self._warned: set[str] = set()
+
+    def observe(self, input_ids: torch.Tensor, first: int) -> None:
+        """Keep ``input_ids: [B, q]`` as the ids of positions ``first .. first+q-1``: the first pass sets
+        :attr:`prompt_ids`, a pass that continues them appends, ids already held (``set_prompt``) are kept.
+        A pass after a gap (ids never seen for earlier positions) is not kept: positions would not line up."""
+        ids = input_ids.detach().to(torch.int64)
+        ids = ids.view(1, -1) if ids.dim() == 1 else ids
+        held = self.prompt_ids
+        if held is None:
+            if first == 0:
+                self.prompt_ids = ids
+            return
+        held = held.view(1, -1) if held.dim() == 1 else held
+        if held.shape[1] >= first + ids.shape[1] or held.shape[1] != first:
+            return
+        rows = max(held.shape[0], ids.shape[0])
+        held, ids = held.to(ids.device).expand(rows, -1), ids.expand(rows, -1)
+        self.prompt_ids = torch.cat([held, ids], dim=1)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn ``message`` once per cache and ``key``."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
 
     def rope_table(self, layer_idx: int) -> RopeTable:
         """The shared ``cos, sin`` table of ``layer_idx``'s layer type (one per type, grown on demand)."""
@@ -105,7 +140,7 @@ class CacheContext(Stateful):
 class KVCache(Cache):
     """A transformers ``Cache`` whose full-attention layers are built by a kvweave :class:`Method`."""
 
-    def __init__(self, method: Method, model: Any) -> None:
+    def __init__(self, method: Method, model: Any, tokenizer: Any = None) -> None:
         self.method = method
         self.config = text_config(model.config)
         if not method.exact and getattr(self.config, "kv_lora_rank", None):
@@ -127,6 +162,8 @@ class KVCache(Cache):
         rotary = find_rotary(model)
         self.rotary = {t: Rotary(rotary, t) for t in set(self.layer_types)} if rotary is not None else {}
         self.context = CacheContext(self)  # what the layers share (positions, RoPE tables, prompt, groups)
+        if method.reads_token_ids:
+            self.context.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(model)
         self.replaying = False  # filled from a recorded prefill (kvweave.eval.prefill): outputs unused
         layers = default_layers(self.config)
         for idx, layer in enumerate(layers):
@@ -136,11 +173,35 @@ class KVCache(Cache):
         method.bind_layers(self)
 
     def set_prompt(self, token_ids: Any, tokenizer: Any = None) -> None:
-        """Tell content-aware methods (DepthWeave's router) the prompt's token ids (``[n]`` or ``[B, n]``)
-        and, optionally, the tokenizer that reads them. Methods that do not use them ignore both."""
+        """Override what content-aware methods (DepthWeave's router) read: the token ids from position 0 on
+        (``[n]`` or ``[B, n]``) and, optionally, the tokenizer. Not needed on any path through a prepared model
+        (each forward pass hands its ids over, :meth:`observe_input_ids`); ids given here are kept and later
+        passes only append. Methods that do not read token ids ignore both."""
         self.context.prompt_ids = torch.as_tensor(token_ids)
         if tokenizer is not None:
             self.context.tokenizer = tokenizer
+
+    def observe_input_ids(self, input_ids: torch.Tensor | None) -> None:
+        """A forward pass's ``input_ids: [B, q]`` (``None`` for ``inputs_embeds``), before its layers run: kept
+        at the positions they fill for methods that read token ids (:attr:`Method.reads_token_ids`)."""
+        if not self.method.reads_token_ids:
+            return
+        if input_ids is None:
+            self.context.warn_once(
+                "ids",
+                f"{self.method.name}: this forward pass gave inputs_embeds, not input_ids, so the method cannot "
+                "read the prompt's tokens (its content signals score 0); pass input_ids, or give them with "
+                "cache.set_prompt(ids) first",
+            )
+            return
+        self.context.observe(input_ids, self.get_seq_length())
+        if self.context.tokenizer is None:
+            self.context.warn_once(
+                "tokenizer",
+                f"{self.method.name}: no tokenizer for this model, so the content rules (protect, content "
+                "signal) see token ids but not their text; pass kvweave.make_cache(method, model, "
+                "tokenizer=tokenizer) or load the model with kvweave.load_model",
+            )
 
     def rotary_for(self, layer_idx: int) -> Rotary:
         """The model's rotary embedding for ``layer_idx`` (error if the model has none)."""

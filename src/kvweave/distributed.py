@@ -26,20 +26,30 @@ token-side bases span ``G·(H/W)·D`` columns instead of ``G·H·D``; byte budge
 Reported numbers: :func:`summed_nbytes` (and ``summed_full_kv_bytes``) add the ranks' bytes; a cache file is one
 file set per rank plus ``tp.json`` recording the world size (:func:`save_cache`, :func:`load_cache`).
 ``kvweave generate --tp N`` and ``kvweave eval --tp N`` re-execute themselves under ``torchrun`` (:func:`launch`).
+
+This module re-exports the ranks and head counts of :mod:`kvweave.tp` (which the cache and the model loader import:
+it depends on nothing else of kvweave) and the launcher of :mod:`kvweave.launch`; it adds the reported bytes and
+the cache files, which need :mod:`kvweave.persist`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
+from kvweave.launch import launch, needs_launch, torchrun_command
+from kvweave.tp import (
+    TensorParallel,
+    TensorParallelError,
+    check_head_counts,
+    is_main_process,
+    launched_world,
+    load_kwargs,
+    local_kv_heads,
+    tensor_parallel,
+)
 
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
@@ -54,7 +64,9 @@ __all__ = [
     "launch",
     "launched_world",
     "load_cache",
+    "load_kwargs",
     "local_kv_heads",
+    "needs_launch",
     "rank_folder",
     "save_cache",
     "saved_method",
@@ -69,114 +81,7 @@ TP_MANIFEST = "tp.json"
 TP_FORMAT = "kvweave-tp-cache"
 
 
-class TensorParallelError(ValueError):
-    """A model, cache file or launch that does not fit the tensor-parallel layout; the message says how."""
-
-
-# --------------------------------------------------------------------------------------- ranks and groups
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorParallel:
-    """Where this process sits in a tensor-parallel model: ``rank`` of ``size``, and the process ``group``
-    the model's own collectives use (kvweave's all-reduces go over it, never over the whole world)."""
-
-    rank: int
-    size: int
-    group: Any
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """``tensor`` summed (``op="sum"``), averaged (``"mean"``) or maximised (``"max"``) over the ranks; a new
-        tensor, the input is left alone."""
-        import torch.distributed as dist
-
-        out = tensor.detach().clone()
-        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        dist.all_reduce(out, op=reduce_op, group=self.group)
-        return out / self.size if op == "mean" else out
-
-    def sum(self, value: int) -> int:
-        """An integer summed over the ranks."""
-        return int(self.all_reduce(torch.tensor([int(value)], dtype=torch.int64)).item())
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier(group=self.group)
-
-
-def tensor_parallel(model: Any) -> TensorParallel | None:
-    """The tensor-parallel layout of ``model`` (``None`` for a model held whole by one process).
-
-    Read from the model's key projections: transformers' plans make them ``DTensor`` parameters sharded over a
-    one-dimensional device mesh, which gives the rank, the size and the process group. Other sharded layouts
-    (no ``k_proj``, a mesh of several dimensions) are refused rather than cached with the wrong head count."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support holds no sharded model
-        return None
-    sharded = None
-    for name, parameter in model.named_parameters():
-        if not isinstance(parameter, DTensor):
-            continue
-        sharded = sharded or name
-        if name.endswith("k_proj.weight"):
-            mesh = parameter.device_mesh
-            if mesh.ndim != 1:
-                raise TensorParallelError(
-                    f"{name} is sharded over a {mesh.ndim}-dimensional device mesh; kvweave supports tensor "
-                    "parallelism alone (tp_plan, a one-dimensional mesh)"
-                )
-            if mesh.size() == 1:
-                return None
-            return TensorParallel(rank=mesh.get_local_rank(), size=mesh.size(), group=mesh.get_group())
-    if sharded is not None:
-        raise TensorParallelError(
-            f"the model is sharded ({sharded} is a DTensor) but has no sharded k_proj, from which kvweave reads "
-            "each rank's KV heads; kvweave supports transformers' tensor-parallel plans of attention by heads"
-        )
-    return None
-
-
-def launched_world() -> tuple[int, int]:
-    """``(rank, world size)`` of this process: the initialised process group's, else what ``torchrun`` put in the
-    environment (``RANK``, ``WORLD_SIZE``; known before transformers initialises the group), else ``(0, 1)``."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_main_process() -> bool:
-    """Whether this process prints progress and writes results (rank 0, or the only process)."""
-    return launched_world()[0] == 0
-
-
-# ------------------------------------------------------------------------------------------- head counts
-
-
-def check_head_counts(config: Any, world_size: int) -> None:
-    """Refuse a model whose attention or KV heads do not divide over ``world_size`` ranks (naming the counts)."""
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    if world_size > 1 and (heads % world_size or kv_heads % world_size):
-        divisors = [n for n in range(1, kv_heads + 1) if kv_heads % n == 0 and heads % n == 0]
-        raise TensorParallelError(
-            f"tensor parallelism over {world_size} ranks needs head counts divisible by {world_size}: this model "
-            f"has {heads} attention heads and {kv_heads} KV heads, so each rank would hold "
-            f"{heads / world_size:g} and {kv_heads / world_size:g}. Use a world size that divides both "
-            f"({', '.join(map(str, divisors))}), or run it in one process"
-        )
-
-
-def local_kv_heads(config: Any, tp: TensorParallel | None) -> int:
-    """KV heads this process's cache holds: all of them in one process, ``H / W`` on each of ``W`` ranks."""
-    kv_heads = int(config.num_key_value_heads)
-    if tp is None:
-        return kv_heads
-    check_head_counts(config, tp.size)
-    return kv_heads // tp.size
+# ------------------------------------------------------------------------------------------------ bytes
 
 
 def summed_nbytes(cache: KVCache) -> int:
@@ -192,7 +97,7 @@ def summed_full_kv_bytes(cache: KVCache, bits: int = 16) -> int:
     return cache.tp.sum(full) if cache.tp is not None else full
 
 
-# ----------------------------------------------------------------------------------------------- files
+# ------------------------------------------------------------------------------------------------ files
 
 
 def rank_folder(path: str | os.PathLike[str], rank: int, size: int) -> Path:
@@ -289,70 +194,3 @@ def load_cache(path: str | os.PathLike[str], model: Any) -> tuple[KVCache, Manif
             f"{path}: rank {tp.rank}'s files ({folder.name}) are missing; save the cache again"
         )
     return load_one(folder, model)
-
-
-# --------------------------------------------------------------------------------------------- launcher
-
-
-def torchrun_command(argv: list[str], ranks: int) -> list[str]:
-    """The command that runs ``kvweave ARGV`` on ``ranks`` local processes (one machine, a free port)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        "-m",
-        "kvweave.cli",
-        *argv,
-    ]
-
-
-def launch(argv: list[str], ranks: int, model: str | None = None) -> int:
-    """Run ``kvweave ARGV`` under ``torchrun`` with ``ranks`` processes and return its exit status.
-
-    ``model`` (a registry name or folder), when given, is checked first: head counts that do not divide by
-    ``ranks`` are refused here, once, instead of by every rank. Each rank gets ``OMP_NUM_THREADS = cpus / ranks``
-    unless it is set (torchrun would give every rank one thread)."""
-    if model is not None:
-        from transformers import AutoConfig
-
-        from kvweave._compat import text_config
-        from kvweave.models import resolve
-
-        check_head_counts(text_config(AutoConfig.from_pretrained(resolve(model))), ranks)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
-    print(
-        f"kvweave: launching {ranks} tensor-parallel ranks: {shlex.join(torchrun_command(argv, ranks))}",
-        file=sys.stderr,
-    )
-    return subprocess.run(torchrun_command(argv, ranks), env=env, check=False).returncode
-
-
-def needs_launch(ranks: int) -> bool:
-    """Whether a command given ``--tp ranks`` must first start its ranks (it is not running under torchrun);
-    :class:`TensorParallelError` when it runs under a torchrun of another size."""
-    if ranks < 1:
-        raise TensorParallelError(f"--tp must be at least 1, got {ranks}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if "WORLD_SIZE" not in os.environ:
-        return ranks > 1
-    if world != ranks:
-        raise TensorParallelError(
-            f"--tp {ranks} runs under a torchrun of {world} processes; give --tp {world} or launch "
-            f"{ranks} processes (or drop torchrun: `kvweave ... --tp {ranks}` starts them itself)"
-        )
-    return False
-
-
-def load_kwargs(tp_plan: str | None) -> dict[str, Any]:
-    """``from_pretrained`` keywords that shard a model with ``tp_plan``: a ``DistributedConfig`` where transformers
-    has one (5.24 warns that the plain keyword is deprecated), else the ``tp_plan`` keyword."""
-    if tp_plan is None:
-        return {}
-    try:
-        from transformers import DistributedConfig
-    except ImportError:
-        return {"tp_plan": tp_plan}
-    return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}

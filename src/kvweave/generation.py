@@ -18,6 +18,7 @@ import torch
 
 from kvweave._compat import cache_kwarg
 from kvweave.cache import KVCache, make_cache
+from kvweave.prompt import chat_ids
 
 
 @dataclasses.dataclass
@@ -29,17 +30,6 @@ class Generated:
     cache: KVCache
     prompt_tokens: int
     new_tokens: int
-
-
-def prompt_ids(tokenizer: Any, prompt: str, chat: bool = True) -> torch.Tensor:
-    """``[1, N]`` token ids of ``prompt``: as one user turn of the chat template when the tokenizer has one
-    (and ``chat``), else the plain text with the tokenizer's special tokens."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    return tokenizer(prompt, return_tensors="pt").input_ids
 
 
 def generate(
@@ -59,9 +49,8 @@ def generate(
         raise ValueError("kvweave.generate: the prompt is empty; pass the text to continue or answer")
     if max_new_tokens < 1:
         raise ValueError(f"kvweave.generate: max_new_tokens={max_new_tokens} must be at least 1")
-    cache = make_cache(method, model)
-    ids = prompt_ids(tokenizer, prompt, chat).to(model.device)
-    cache.set_prompt(ids, tokenizer)
+    cache = make_cache(method, model, tokenizer=tokenizer)
+    ids = chat_ids(tokenizer, prompt, chat).to(model.device)
     options = {"do_sample": False, "max_new_tokens": max_new_tokens, **generate_kwargs}
     if not options.get("do_sample"):  # greedy: no sampling knobs (transformers warns about unused ones)
         options.update(temperature=None, top_p=None, top_k=None)

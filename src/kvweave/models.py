@@ -538,6 +538,9 @@ def load_model(
     if not sharding:  # a sharded model is placed by its plan
         model.to(device)
     model.eval()
+    from kvweave.prompt import remember_tokenizer
+
+    remember_tokenizer(model, tokenizer)  # content-aware caches read token ids with it (make_cache finds it)
     return model, tokenizer
 
 
@@ -548,7 +551,7 @@ def _tensor_parallel_kwargs(folder: Path, tp_plan: str | None) -> dict[str, Any]
     from transformers import AutoConfig
 
     from kvweave._compat import text_config
-    from kvweave.distributed import check_head_counts, launched_world, load_kwargs
+    from kvweave.tp import check_head_counts, launched_world, load_kwargs
 
     _, world = launched_world()
     if world < 2:

@@ -41,6 +41,13 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
+TOKEN_IDS_NOTE = (
+    "reads the token ids of every forward pass (input_ids) and the tokenizer's text for them, on every "
+    "transformers path (kvweave.generate, make_cache + model.generate, the prefix pattern, a loaded cache, TP); "
+    "not with inputs_embeds only (warns once), and not inside vLLM, where the method is not served"
+)
+
+
 @dataclasses.dataclass
 class Method:
     """Base of every method: its options are dataclass fields, its capabilities class attributes."""
@@ -55,6 +62,7 @@ class Method:
     uses_kvweave_attention: ClassVar[bool] = True  # needs kvweave.prepare(model)
     exact_prefill: ClassVar[bool] = True  # prefill attention is exact (compression happens after it)
     bounded_memory: ClassVar[bool] = False  # entries held stay bounded however long decoding runs
+    reads_token_ids: ClassVar[bool] = False  # reads the token ids of every forward pass (content rules)
     compresses: ClassVar[bool] = (
         True  # holds fewer bytes than the exact cache (False: exact or position-only)
     )
@@ -102,8 +110,16 @@ class Method:
             "summary": cls.summary or (cls.__doc__ or "").strip().splitlines()[0],
             "capabilities": {
                 c: getattr(cls, c)
-                for c in ("exact", "evicts", "needs_positions", "cross_layer", "supports_batch")
+                for c in (
+                    "exact",
+                    "evicts",
+                    "needs_positions",
+                    "cross_layer",
+                    "supports_batch",
+                    "reads_token_ids",
+                )
             },
+            "token_ids": TOKEN_IDS_NOTE if cls.reads_token_ids else None,
             "budget": dict(cls.budget_options),
             "options": [
                 {

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 import kvweave
 from kvweave._compat import cache_kwarg
 from kvweave.eval import tasks
+from kvweave.prompt import chat_ids
 
 pytestmark = pytest.mark.integration
 
@@ -70,3 +71,25 @@ def test_eval_code_task_on_the_real_model(smollm, tmp_path):
     (row,) = runner.run(config, out_dir=tmp_path, progress=False, model_and_tokenizer=smollm)
     assert row["metric"] == "edit_sim" and 0.0 <= row["score"] <= 1.0 and row["max_new_tokens"] == 12
     assert row["answers"] and row["prediction"]
+
+
+@pytest.mark.parametrize("method", ["depthweave", "dkcache", "quant:bits=4", "snapkv:ratio=0.25"])
+def test_every_path_gives_the_same_answer_and_bytes(smollm, method):
+    """``kvweave.generate`` and ``make_cache`` + ``model.generate`` (no ``set_prompt``, no tokenizer given: the
+    ids come from the forward pass, the tokenizer from ``load_model``) hold the same bytes, write the same
+    tokens, on a real tokenizer and a prompt with values in it."""
+    model, tokenizer = smollm
+    sample = tasks.make_sample("passkey", tokenizer, 900, depth=0.4, seed=3)
+    result = kvweave.generate(model, tokenizer, sample.prompt, method, max_new_tokens=8)
+    ids = chat_ids(tokenizer, sample.prompt)
+    cache = kvweave.make_cache(method, model)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            **{cache_kwarg(model): cache},
+        )
+    assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == result.text
+    assert cache.nbytes() == result.cache.nbytes()

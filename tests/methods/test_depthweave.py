@@ -401,7 +401,7 @@ def test_a_compression_out_of_reach_warns_with_what_it_reached(model):
             model(_ids(60), **{cache_kwarg(model): cache})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cache = kvweave.make_cache("depthweave", model, **{**SMALL, **EXACT_STORE})
+        cache = kvweave.make_cache("depthweave", model, tokenizer=_Vocab({}), **{**SMALL, **EXACT_STORE})
         with torch.no_grad():
             model(_ids(61), **{cache_kwarg(model): cache})
 
@@ -462,3 +462,23 @@ def test_protect_keeps_digit_tokens_exact_inside_the_budget(model):
     protected = held[0.05] - held[0.0]
     assert len(protected) == round(0.05 * (96 - 8))  # the protect fraction of the folded tokens
     assert set(digits[:3]) <= protected  # digits first, then their neighbours
+
+
+def test_held_bytes_track_compression_over_a_long_decode(model):
+    """Decode-time folds spend what the budget leaves on exact rows: the held bytes stay within ±15 % of
+    ``compression`` at every checkpoint once the budget fills (projected coordinates alone drift to 3.9x)."""
+    from kvweave.registry import METHODS, parse_method
+
+    spec = parse_method("depthweave", **{**METHODS["depthweave"].test_options, "compression": 3.0})
+    cache = kvweave.make_cache(spec, model, tokenizer=_Vocab({}))
+    ids = _ids(400, seed=0)
+    ratios = []
+    with torch.no_grad():
+        model(ids[:, :96], **{cache_kwarg(model): cache})
+        for t in range(96, 400):
+            model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
+            if t >= 150 and t % 25 == 0:
+                ratios.append(cache.full_kv_bytes(bits=16) / cache.nbytes())
+    assert all(3.0 * 0.85 <= r <= 3.0 * 1.15 for r in ratios), ratios
+    exact = sum(store.token_counts["exact"] for g in cache.context.groups.values() for store in g.rows)
+    assert exact > 0.1 * 400  # the decoded tokens the bases fit worst are held exact

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from kvweave.ops.attention import attention_with_lse  # noqa: F401  (the kernels' reference)
+
 try:  # triton is an optional extra (``pip install 'kvweave[gpu]'``)
     import triton  # noqa: F401
 
@@ -78,26 +80,3 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, to
     safe = torch.where(torch.isinf(total), 0.0, total)
     weights = torch.exp(lse - safe.unsqueeze(-2)).unsqueeze(-1)  # [..., S, R, 1]
     return (weights * out).sum(-3), total
-
-
-def attention_with_lse(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    visible: torch.Tensor | None,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference: softmax attention of ``query: [B, H, R, D]`` over ``keys: [B, H, T, D]``,
-    ``values: [B, H, T, Dv]`` where ``visible: [B, H or 1, R, T]`` (``None``: all), in float32.
-
-    Returns ``out: [B, H, R, Dv]`` and the natural-log ``lse: [B, H, R]`` of the scaled logits (what
-    :func:`kvweave.ops.attention.merge_parts` combines); a row that sees nothing gets ``out = 0`` and
-    ``lse = -inf``.
-    """
-    logits = (query.float() @ keys.float().transpose(-1, -2)) * scaling
-    if visible is not None:
-        logits = logits.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [B, H, R]
-    safe = torch.where(torch.isinf(lse), 0.0, lse)
-    weights = torch.exp(logits - safe.unsqueeze(-1))  # 0 where masked; all 0 for a row that sees nothing
-    return weights @ values.float(), lse

@@ -25,9 +25,11 @@ under ``TRITON_INTERPRET=1`` without a GPU):
   dequantize, :func:`kvweave.kernels.triton_common.attention_with_lse`).
 
 float32 queries use exact (``ieee``) float32 dot products; float16 / bfloat16 queries run the attention's dot
-products in the query dtype (float32 accumulation). Page scores are always float32. Not imported by
-:mod:`kvweave.methods.dkcache`; a CUDA path would import this module lazily (see
-:mod:`kvweave.kernels.triton_common`).
+products in the query dtype (float32 accumulation). Page scores are always float32. :func:`page_scores` is
+called by DK-Cache's far tier (:func:`kvweave.methods.dkcache.far.page_scores`, ``kernel=triton``, the default on
+CUDA; imported lazily when chosen, :mod:`kvweave.kernels.registry`). :func:`page_attention` is not called by a
+method yet: DK-Cache attends its retrieved pages beside the other tiers (RoPE compensation, decoupled steady
+keys) in one masked softmax, which this kernel does not compute.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ query dtype for the tensor cores (float32 accumulation).
 Reference: :func:`quant_attention_reference` (unpack + dequantize in torch, then
 :func:`kvweave.kernels.triton_common.attention_with_lse`), the same arithmetic as
 :func:`kvweave.methods.quant.dequantize_blocks`. Tests: ``tests/kernels/test_triton_quant.py`` (under
-``TRITON_INTERPRET=1`` without a GPU). Not imported by :mod:`kvweave.methods.quant`; a CUDA path would import
-it lazily (see :mod:`kvweave.kernels.triton_common`).
+``TRITON_INTERPRET=1`` without a GPU), including through ``make_cache`` + ``model.generate``. Called by
+:class:`kvweave.methods.quant.QuantLayer` (``kernel=triton``, the default on CUDA), imported lazily when chosen
+(:mod:`kvweave.kernels.registry`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvweave.cache import CompressedLayer
+from kvweave.ops.attention import masked_softmax
 from kvweave.ops.masking import visible_mask
 from kvweave.registry import Method
 
@@ -210,7 +211,7 @@ class EvictingLayer(CompressedLayer):
                 logits = logits_hook(logits, start, stop - start)
             mask = attention_mask[:, :, start:stop] if attention_mask is not None else None
             visible = visible_mask(mask, slots[..., :width], first + start, stop - start).unsqueeze(2)
-            weights = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [B, H, G, rows, width]
+            weights = masked_softmax(logits, visible)  # [B, H, G, rows, width]
             weights = torch.where(visible & real[:, start:stop].view(b, 1, 1, -1, 1), weights, 0.0)
             total[..., :width] += weights.sum(dim=(2, 3))
         return total

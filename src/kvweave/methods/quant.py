@@ -7,7 +7,9 @@ tokens have left that window they are quantized as one block, so the exact tail 
 ``residual`` and ``residual + group - 1`` tokens. Codes are packed into ``uint8`` (one 8-bit, two 4-bit or
 four 2-bit codes per byte) with ``float16`` scales and minima, and ``nbytes`` counts exactly that storage.
 
-Attention never materialises the dequantized cache. During decoding, on the CPU, a fused C++ kernel
+Attention never materialises the dequantized cache. On CUDA a Triton kernel (:mod:`kvweave.kernels.triton_quant`,
+``kernel="triton"``, the default there) reads the packed codes and scales once and dequantizes in registers,
+returning each chunk's output and log-sum-exp. During decoding, on the CPU, a fused C++ kernel
 (:mod:`kvweave.kernels.cpu_quant`, ``kernel="cpp"``, built on first use) scores the query against the packed
 key codes with the per-channel scales and minima folded into the query, and sums the softmax weights times
 the values decoded row by row; the softmax runs in torch between the two. The torch path (``kernel="torch"``,
@@ -34,6 +36,7 @@ import torch
 from kvweave._compat import sdpa_attention
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.kernels import cpu_quant
+from kvweave.kernels.registry import BACKENDS, Kernel, choose
 from kvweave.ops.attention import OnlineSoftmax
 from kvweave.ops.masking import prompt_padding, visible_mask
 from kvweave.ops.quantize import (
@@ -63,8 +66,8 @@ class Quant(Method):
     chunk: int = option(4096, "tokens dequantized at a time during attention")
     kernel: str = option(
         "auto",
-        "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'torch' "
-        "(the reference), or 'auto' (cpp on CPU when it builds, else torch)",
+        "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'triton' (fused Triton kernel on "
+        "CUDA), 'torch' (the reference), or 'auto' (triton on CUDA, cpp on CPU when it builds, else torch)",
     )
     storage: str = option("auto", STORAGE_HELP)
 
@@ -83,7 +86,7 @@ class Quant(Method):
         self.check_range("group", 1)
         self.check_range("residual", 0)
         self.check_range("chunk", 1)
-        self.check_choice("kernel", ["auto", "cpp", "torch"])
+        self.check_choice("kernel", BACKENDS)
         self.check_choice("storage", STORAGE_CHOICES)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> QuantLayer:
@@ -182,6 +185,31 @@ def dequantize_blocks(blocks: Blocks, bits: int) -> tuple[torch.Tensor, torch.Te
     keys = dequantize(codes, blocks.key_scale, blocks.key_min)
     b, h, n, g, d = keys.shape
     return keys.reshape(b, h, n * g, d), dequantize_values(blocks, bits)
+
+
+QUANT_DECODE = Kernel(
+    "quant decode attention", cpp="kvweave.kernels.cpu_quant", triton="kvweave.kernels.triton_quant"
+)
+
+
+def _triton_attention(
+    query: torch.Tensor, blocks: Blocks, bits: int, scaling: float, visible: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query: [B, H, R, D]`` over ``blocks`` in the Triton kernel -> ``out [B, H, R, D]``, ``lse [B, H, R]``."""
+    from kvweave.kernels import triton_quant
+
+    return triton_quant.quant_attention(
+        query,
+        blocks.key_codes,
+        blocks.key_scale,
+        blocks.key_min,
+        blocks.value_codes,
+        blocks.value_scale,
+        blocks.value_min,
+        bits,
+        scaling,
+        visible,
+    )
 
 
 def _fused_values(weights: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
@@ -363,11 +391,19 @@ class QuantLayer(CompressedLayer):
         packed = query.reshape(b, h, groups * q_len, d).float()  # query heads of a group along the rows
         softmax = OnlineSoftmax(packed, scaling if scaling is not None else d**-0.5)
         offsets = torch.arange(self.group, device=self.device)
-        fused = self.use_kernel()
+        backend = self.use_kernel()
+        fused = backend == "cpp"
         for index, segment in enumerate(self.segments):
             starts = self.segment_starts(index)
             slots = (starts.unsqueeze(-1) + offsets).view(b, -1)  # [B, n*G] token index of each entry
             valid = (starts >= 0).repeat_interleave(self.group, dim=1)
+            if backend == "triton":  # codes and scales read once, dequantized in registers
+                everything = attention_mask is None and q_len == 1 and bool(valid.all())
+                seen = (
+                    None if everything else self.visible(attention_mask, slots, valid, first, q_len, groups)
+                )
+                softmax.add_part(*_triton_attention(packed, segment, self.bits, softmax.scaling, seen))
+                continue
             if fused:
                 everything = attention_mask is None and q_len == 1 and bool(valid.all())
                 seen = (
@@ -394,26 +430,11 @@ class QuantLayer(CompressedLayer):
         out = softmax.result().view(b, hq, q_len, d)
         return out.transpose(1, 2).contiguous().to(query.dtype)
 
-    def use_kernel(self) -> bool:
-        """Whether attention over the blocks runs in the fused C++ kernel (see ``kernel`` option)."""
-        if self.kernel_choice == "torch" or (self.kernel_choice == "auto" and self.device.type != "cpu"):
-            self.kernel_used = "torch"
-            return False
-        if self.device.type != "cpu":
-            raise ValueError(
-                f"quant: kernel='cpp' runs on the CPU only, but the cache is on {self.device}; "
-                "use kernel='torch' or 'auto'"
-            )
-        if cpu_quant.load() is None:
-            if self.kernel_choice == "cpp":
-                raise RuntimeError(
-                    f"quant: kernel='cpp' cannot be built here ({cpu_quant.unavailable_reason()}); "
-                    "use kernel='torch' or 'auto'"
-                )
-            self.kernel_used = "torch"
-            return False
-        self.kernel_used = "cpp"
-        return True
+    def use_kernel(self) -> str:
+        """The backend of attention over the blocks: ``cpp``, ``triton`` or ``torch`` (``kernel`` option,
+        :func:`kvweave.kernels.registry.choose`); recorded in ``kernel_used``."""
+        self.kernel_used = choose(QUANT_DECODE, self.kernel_choice, self.device)
+        return self.kernel_used
 
     def visible(
         self,

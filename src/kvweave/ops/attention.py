@@ -1,5 +1,7 @@
 """Attention over held entries, in one place: the reference and the fast paths tested against it.
 
+- :func:`masked_softmax`: the one masked softmax (a query that sees no key gets zero weights), and
+  :func:`attention_with_lse`: attention with its log-sum-exp, the reference every kernel part is tested against.
 - :func:`masked_attention`: grouped-query attention with a per-KV-head mask (torch's SDPA), the reference
   every compressed layer's output is tested against.
 - :class:`OnlineSoftmax`: attention accumulated over chunks of keys (running max / sum), for stores read
@@ -14,6 +16,40 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+
+def masked_softmax(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """Softmax of ``logits`` over the last axis where ``visible`` (bool, broadcastable; ``None``: all).
+
+    The one rule for a query that sees no key (a padding query, a part with nothing for that row): all its
+    weights are 0, so its output is 0 and its log-sum-exp ``-inf`` (:func:`attention_with_lse`,
+    :class:`OnlineSoftmax`, :func:`merge_parts`). Such a query's output is never read by a real token."""
+    if visible is None:
+        return logits.softmax(-1)
+    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    return probs.masked_fill(~visible.any(-1, keepdim=True), 0.0)
+
+
+def attention_with_lse(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``query: [B, H, R, D]`` over ``keys: [B, H, T, D]``, ``values: [B, H, T, Dv]``
+    where ``visible: [B, H or 1, R, T]`` (``None``: all), in float32: the reference of every kernel part.
+
+    Returns ``out: [B, H, R, Dv]`` and the natural-log ``lse: [B, H, R]`` of the scaled logits (what
+    :func:`merge_parts` combines); a row that sees nothing gets ``out = 0`` and ``lse = -inf``.
+    """
+    logits = (query.float() @ keys.float().transpose(-1, -2)) * scaling
+    if visible is not None:
+        logits = logits.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, H, R]
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    weights = torch.exp(logits - safe.unsqueeze(-1))  # 0 where masked; all 0 for a row that sees nothing
+    return weights @ values.float(), lse
 
 
 def masked_attention(
@@ -77,6 +113,18 @@ class OnlineSoftmax:
         weights = torch.exp(logits - safe)
         self.total = self.total * correction + weights.sum(-1, keepdim=True)
         self.out = self.out * correction + weighted(weights)
+        self.maximum = maximum
+
+    def add_part(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge a part attended elsewhere (a kernel): its normalised output ``out: [B, H, R, D]`` and the
+        natural-log log-sum-exp of its scaled logits ``lse: [B, H, R]`` (``-inf`` where it saw nothing)."""
+        lse = lse.unsqueeze(-1)
+        maximum = torch.maximum(self.maximum, lse)
+        safe = torch.where(torch.isinf(maximum), 0.0, maximum)
+        correction = torch.exp(self.maximum - safe)
+        weight = torch.exp(lse - safe)
+        self.total = self.total * correction + weight
+        self.out = self.out * correction + weight * out.float()
         self.maximum = maximum
 
     def result(self) -> torch.Tensor:

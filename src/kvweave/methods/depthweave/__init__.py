@@ -14,8 +14,7 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
 - ``router=True``: a calibration-free router scores tokens by the attention the last prompt queries pay them
   (max-pooled over neighbours, SnapKV-style), the novelty of their KV (energy outside a provisional low-rank
   basis: numbers, UUIDs, names and rare words are what a shared basis represents worst, whatever their
-  characters) and, when the caller gives the prompt with ``cache.set_prompt(ids, tokenizer)`` before prefill,
-  token content (in-prompt rarity, digits, capitalised tokens). Each signal becomes a
+  characters) and token content (in-prompt rarity, digits, capitalised tokens). Each signal becomes a
   percentile and a token takes its best one, so one signal is enough (a needle needs no attention from the
   prompt's end). Buckets are ragged, each its own ``[n_b, w_b]`` coordinate tensor (no zero padding):
   top -> exact rows, next ``hi_tokens`` -> width ``r·spread``, ``lo_tokens`` -> ``r/spread``, rest -> ``r``;
@@ -23,8 +22,9 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
 - ``protect``: a fraction of the prompt's tokens kept as exact rows because of what they *are*, question-
   agnostically: tokens with digits (numbers, dates, UUID and hex pieces) and their neighbours, then identifier-
   like tokens rare in the prompt (``snake_case``, ``camelCase``, capitalised names), then other rare words
-  (:func:`~kvweave.methods.depthweave.router.retrievable_scores`; needs ``cache.set_prompt(ids, tokenizer)``,
-  which ``kvweave.generate``, ``kvweave eval`` and ``kvweave ppl`` call). Exact rows are always attended
+  (:func:`~kvweave.methods.depthweave.router.retrievable_scores`). The token ids reach the cache by themselves
+  on every path (each forward pass of a prepared model hands its ``input_ids`` over, :mod:`kvweave.prompt`), the
+  tokenizer from ``load_model`` or ``make_cache(..., tokenizer=)``; ``cache.set_prompt`` overrides both. Exact rows are always attended
   (selective decode never skips them) and the byte budget pays for them (the ranks drop to fit).
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
@@ -191,7 +191,7 @@ class DepthWeave(Method):
     protect: float = option(
         0.02,
         "fraction of prompt tokens kept as exact rows because they look like values users retrieve (digits, "
-        "identifiers, rare names; needs cache.set_prompt(ids, tokenizer)); counted in the compression budget",
+        "identifiers, rare names: read from the prompt's tokens); counted in the compression budget",
     )
     residual_bits: int = option(
         16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
@@ -224,6 +224,7 @@ class DepthWeave(Method):
 
     needs_positions = True
     cross_layer = True
+    reads_token_ids = True  # the router's content signal and protect read the prompt's tokens
     budget_options = {"compression": "compression", "decode_tokens": "attended tokens"}
     renamed_options = {"target_ratio": "compression"}
     legacy_defaults = {2: {"decode_tokens": 0}, 4: {"protect": 0.0}}

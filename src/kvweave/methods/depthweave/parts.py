@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kvweave.ops.attention import masked_softmax
 from kvweave.ops.masking import visible_mask
 
 
@@ -95,8 +96,7 @@ def attend_parts(
         ]
         visible = visible & torch.cat(flags, dim=1).unsqueeze(1)
     visible = visible.repeat(1, g, 1)  # [H, g·q, N], rows ordered (query head, query) like ``packed``
-    visible = visible | ~visible.any(dim=-1, keepdim=True)  # padding queries: anything, never used
-    probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = masked_softmax(logits, visible)  # padding queries (nothing visible): zero weights, never used
     out = torch.zeros(h, g * q_len, d, device=query.device)
     start = 0
     for part in parts:

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvweave.ops.attention import masked_softmax
+
 if TYPE_CHECKING:
     from kvweave.methods.depthweave.chunk import Chunk
 
@@ -37,7 +39,7 @@ class Probe:
     ) -> torch.Tensor:
         visible = self.causal if keep is None else self.causal & keep.view(1, -1)
         logits = self.packed[layer] @ keys.transpose(-1, -2) * self.scalings[layer]
-        probs = torch.nan_to_num(logits.masked_fill(~visible, float("-inf")).softmax(-1))
+        probs = masked_softmax(logits, visible)
         return probs @ values
 
     def error(self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor) -> float:

@@ -2,11 +2,12 @@
 
 Signals, each turned into a percentile (a token takes its best one): the attention the last prompt queries pay
 it (:func:`observed_attention`), the energy of its KV outside a low-rank basis (:func:`novelty_score`) and, when
-the prompt ids were given (``cache.set_prompt``), its content (:func:`content_scores`).
+the cache saw the prompt ids (every forward pass hands them over), its content (:func:`content_scores`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvweave.methods.depthweave.chunk import EVICTED, EXACT, HI, LO, MID, Chunk, Plan
+from kvweave.ops.attention import masked_softmax
 
 if TYPE_CHECKING:
     from kvweave.methods.depthweave import DepthWeave
@@ -34,7 +36,7 @@ def observed_attention(
     causal = slots.view(1, -1) <= torch.arange(n - w, n, device=key.device).repeat(hq // h).view(-1, 1)
     valid = slots.view(1, -1) >= pad_count.view(-1, 1)  # [B, n]
     visible = causal.view(1, 1, *causal.shape) & valid.view(b, 1, 1, n)
-    probs = torch.nan_to_num(logits.masked_fill(~visible, float("-inf")).softmax(-1))
+    probs = masked_softmax(logits, visible)
     received = probs.sum(dim=(1, 2)) / (hq * w)  # [B, n]
     return F.max_pool1d(received.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
 
@@ -119,19 +121,20 @@ def content_scores(
 ) -> torch.Tensor | None:
     """``[B, c]`` token-content signal from ``prompt_ids`` (``[n]`` or ``[B, n]``), else ``None``.
 
-    ``prompt_ids`` and ``tokenizer`` are what ``cache.set_prompt(ids, tokenizer)`` gave (``cache.context``).
-    In-prompt rarity (``1 / count``) everywhere; with a tokenizer also +1 for tokens with digits, +0.5 for
-    capitalised ones (names, entities). Slots past the given ids score 0.
+    ``prompt_ids`` and ``tokenizer`` are what the cache saw (``cache.context``: the ids of every forward pass,
+    the tokenizer ``load_model`` returned or ``make_cache(..., tokenizer=)`` gave). In-prompt rarity
+    (``1 / count``) everywhere; with a tokenizer also +1 for tokens with digits, +0.5 for capitalised ones
+    (names, entities). Slots past the given ids score 0.
     """
     if prompt_ids is None:
         return None
+    classes = token_classes(tokenizer) if tokenizer is not None else None
 
     def score(unique: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         rarity = 1.0 / counts[inverse].float()
-        if tokenizer is None:
+        if classes is None:
             return rarity
-        tokens = tokenizer.convert_ids_to_tokens(unique.tolist())
-        return rarity + torch.tensor([_content_flag(t) for t in tokens], device=slots.device)[inverse]
+        return rarity + classes.lookup(unique)[:, 1].to(slots.device)[inverse]
 
     return _per_token(prompt_ids, slots, rows, score)
 
@@ -161,6 +164,58 @@ def _content_flag(token: str | None) -> float:
     return 0.5 if text[:1].isupper() else 0.0
 
 
+# what :func:`retrievable_scores` reads of a token's text, before its in-prompt count is known
+DIGITS, IDENTIFIER, WORD, OTHER = 0, 1, 2, 3
+
+
+class TokenClasses:
+    """What the content rules read of each token id's text, converted once per tokenizer and id.
+
+    ``lookup(ids)`` gives ``[u, 2]``: the :data:`DIGITS` / :data:`IDENTIFIER` / :data:`WORD` / :data:`OTHER`
+    class of each id (what :func:`retrievable_scores` reads) and its content flag (:func:`content_scores`).
+    Ids seen before are read from a table; only new ones go through ``tokenizer.convert_ids_to_tokens``, so a
+    decode step or a second prompt costs no tokenizer calls.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.table = torch.zeros(0, 2)  # [vocab so far, 2] float: class, content flag
+        self.known = torch.zeros(0, dtype=torch.bool)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[u, 2]`` class and content flag of each of ``ids`` (``[u]`` int, on any device; result on CPU)."""
+        ids = ids.detach().to("cpu", torch.int64)
+        if ids.numel() == 0:
+            return torch.zeros(0, 2)
+        top = int(ids.max()) + 1
+        if top > self.known.numel():
+            grow = top - self.known.numel()
+            self.table = torch.cat([self.table, torch.zeros(grow, 2)])
+            self.known = torch.cat([self.known, torch.zeros(grow, dtype=torch.bool)])
+        new = ids[~self.known[ids]].unique()
+        if new.numel():
+            tokens = self.tokenizer.convert_ids_to_tokens(new.tolist())
+            self.table[new] = torch.tensor([[_token_class(t), _content_flag(t)] for t in tokens])
+            self.known[new] = True
+        return self.table[ids]
+
+
+_CLASSES: weakref.WeakKeyDictionary[Any, TokenClasses] = weakref.WeakKeyDictionary()
+
+
+def token_classes(tokenizer: Any) -> TokenClasses:
+    """The :class:`TokenClasses` of ``tokenizer`` (one per tokenizer, kept as long as the tokenizer lives)."""
+    if isinstance(tokenizer, TokenClasses):
+        return tokenizer
+    try:
+        classes = _CLASSES.get(tokenizer)
+    except TypeError:  # not weak-referenceable or not hashable: built per call
+        return TokenClasses(tokenizer)
+    if classes is None:
+        classes = _CLASSES[tokenizer] = TokenClasses(tokenizer)
+    return classes
+
+
 RETRIEVABLE_SPAN = 2
 """Neighbours on each side of a digit token that share its protection (the separators and unit of a number,
 a UUID's dashes, the key word right before ``: 1234``), at half its score."""
@@ -170,7 +225,7 @@ def retrievable_scores(
     prompt_ids: torch.Tensor | None, tokenizer: Any, slots: torch.Tensor, rows: int
 ) -> torch.Tensor | None:
     """``[B, c]`` how much each prompt token looks like a value a reader later asks for, question-agnostic;
-    ``None`` without the prompt ids and a tokenizer (``cache.set_prompt(ids, tokenizer)``).
+    ``None`` without the prompt ids and a tokenizer (``cache.context``, as for :func:`content_scores`).
 
     Scores: 2 for tokens with digits (numbers, dates, UUID and hex pieces: most tokenizers split them into
     short pieces, each carrying part of the value), 1 for identifier-like tokens that occur at most 3 times in
@@ -180,11 +235,15 @@ def retrievable_scores(
     """
     if prompt_ids is None or tokenizer is None:
         return None
+    classes = token_classes(tokenizer)
 
     def score(unique: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        tokens = tokenizer.convert_ids_to_tokens(unique.tolist())
-        flags = [_retrievable_flag(t, int(c)) for t, c in zip(tokens, counts.tolist(), strict=True)]
-        value = torch.tensor(flags, device=slots.device)[inverse]
+        kind = classes.lookup(unique)[:, 0].to(slots.device)
+        counts = counts.to(slots.device)
+        flags = torch.where(kind == DIGITS, 2.0, 0.0)
+        flags = torch.where((kind == IDENTIFIER) & (counts <= 3), 1.0, flags)
+        flags = torch.where((kind == WORD) & (counts == 1), 0.5, flags)
+        value = flags[inverse]
         digits = (value >= 2.0).float().view(1, 1, -1)
         near = F.max_pool1d(digits, 2 * RETRIEVABLE_SPAN + 1, stride=1, padding=RETRIEVABLE_SPAN).view(-1)
         return torch.maximum(value, near)  # neighbours of a digit token: 1.0 (half of 2)
@@ -192,17 +251,19 @@ def retrievable_scores(
     return _per_token(prompt_ids, slots, rows, score)
 
 
-def _retrievable_flag(token: str | None, count: int) -> float:
+def _token_class(token: str | None) -> int:
+    """:data:`DIGITS`, :data:`IDENTIFIER`, :data:`WORD` (4+ letters) or :data:`OTHER`: what
+    :func:`_retrievable_flag` reads of ``token`` before its count."""
     text = (token or "").lstrip("Ġ▁ Ċ")
     if any(c.isdigit() for c in text):
-        return 2.0
+        return DIGITS
     letters = [c for c in text if c.isalpha()]
-    if not letters or count > 3:
-        return 0.0
+    if not letters:
+        return OTHER
     if (
         "_" in text
         or (text[:1].isupper() and len(letters) >= 2)
         or (any(c.isupper() for c in text[1:]) and any(c.islower() for c in text))
     ):
-        return 1.0
-    return 0.5 if count == 1 and len(letters) >= 4 else 0.0
+        return IDENTIFIER
+    return WORD if len(letters) >= 4 else OTHER

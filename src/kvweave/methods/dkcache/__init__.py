@@ -73,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from kvweave.kernels.registry import BACKENDS
 from kvweave.methods.dkcache.attention import attention_probs, flash_remapped_prefill, remapped_attention
 from kvweave.methods.dkcache.far import far_device, page_upper_bounds
 from kvweave.methods.dkcache.layer import DKCacheLayer
@@ -186,8 +187,8 @@ class DKCache(Method):
     offload: bool = option(False, "keep the far tier in host memory when the model is on an accelerator")
     kernel: str = option(
         "auto",
-        "INT8 tiers at decode: cpp (fused C++ CPU kernel on the codes), torch (dequantize, the reference) or "
-        "auto (cpp on CPU when it builds)",
+        "decode kernels: cpp (INT8 tiers in a fused C++ CPU kernel on the codes), triton (far pages scored in "
+        "a Triton kernel, CUDA), torch (the references) or auto (triton on CUDA, cpp on CPU when it builds)",
     )
     path: str = option(
         "fast",
@@ -261,7 +262,7 @@ class DKCache(Method):
         self.check_choice("key_storage", ["pre_rope", "post_rope"])
         self.check_choice("far_dtype", ["model", "int8"])
         self.check_choice("storage", STORAGE_CHOICES)
-        self.check_choice("kernel", ["auto", "cpp", "torch"])
+        self.check_choice("kernel", BACKENDS)
         self.check_choice("path", PATHS)
         self.check_range("flash_chunk", 1)
         if self.rope_compensation and self.key_storage == "post_rope":

@@ -9,7 +9,7 @@ from kvweave._compat import mask_to_bool
 from kvweave.kernels.cpu_int8 import Int8Rows
 from kvweave.methods.dkcache.far import Part
 from kvweave.methods.dkcache.positions import is_near
-from kvweave.ops.attention import fused_part_attention, merge_parts
+from kvweave.ops.attention import fused_part_attention, masked_softmax, merge_parts
 from kvweave.ops.masking import visible_mask
 from kvweave.ops.rope import RopeTable, rotate_half
 
@@ -65,8 +65,7 @@ def attention_probs(
     """Softmax of ``scores: [B, H, groups, n, T]`` (unscaled logits) over the ``visible: [B, H or 1, n, T]``
     entries, and ``[B]``: the last query's attention entropy / log(entries it sees), mean over heads."""
     seen = visible.unsqueeze(2)
-    seen = seen | ~seen.any(-1, keepdim=True)  # a query that sees nothing (padding) sees all: never used
-    probs = torch.softmax(scores.float().mul(scaling).masked_fill(~seen, float("-inf")), dim=-1)
+    probs = masked_softmax(scores.float().mul(scaling), seen)  # a query that sees nothing (padding): zeros
     last = probs[:, :, :, -1, :]
     entropy = -torch.special.xlogy(last, last).sum(-1)
     count = seen[:, :, :, -1, :].sum(-1).expand_as(entropy).float()

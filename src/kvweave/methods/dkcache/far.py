@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvweave.kernels.registry import Kernel
 from kvweave.methods.dkcache import tiers
 from kvweave.methods.dkcache.tiers import KeyMap
 from kvweave.ops.pages import page_upper_bounds
@@ -16,6 +17,23 @@ from kvweave.state import Stateful
 
 Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """An attention part: ``keys, values [B, H, T, D]``, ``positions [B, 1 or H, T]``, ``slots [B, 1 or H, T]``."""
+
+
+PAGE_SCORES = Kernel("dkcache far-page scores", triton="kvweave.kernels.triton_pages")
+"""Scoring the far pages by their key summaries: torch (two matmuls) or one Triton kernel on CUDA."""
+
+
+def page_scores(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, backend: str = "torch"
+) -> torch.Tensor:
+    """``[B, H, P]`` the largest upper bound of ``q·k`` over the rows of ``query: [B, H, n, D]`` for each page
+    of the summaries ``page_min, page_max: [B, H, P, D]``; ``backend="triton"`` in one kernel (no ``[B, H, n,
+    P]`` bounds written)."""
+    if backend == "triton":
+        from kvweave.kernels import triton_pages
+
+        return triton_pages.page_scores(query, page_min, page_max)
+    return page_upper_bounds(query, page_min, page_max).amax(2)
 
 
 def far_device(device: torch.device, offload: bool) -> torch.device:
@@ -317,17 +335,22 @@ class FarTier(Stateful):
         rows_on: torch.Tensor,
         pad_count: torch.Tensor | None,
         with_positions: bool = True,
+        backend: str = "torch",
     ) -> tuple[Part, torch.Tensor, torch.Tensor]:
         """The top ``pages`` pages per (row, KV head) by the upper bound of ``q·k`` (summaries current): the
         part (positions only ``with_positions``), its validity ``[B, H, k·page]`` and which of the chosen pages
-        are real and retrieved (``rows_on: [B]``) ``[B, H, k]``."""
+        are real and retrieved (``rows_on: [B]``) ``[B, H, k]``. ``backend``: where the page scores are
+        computed (``torch`` or ``triton``, :data:`PAGE_SCORES`)."""
         assert self.page_min is not None and self.page_max is not None
         count = self.page_count()
         b, hq, n, d = query.shape
         h = self.page_min.shape[1]
-        bounds = page_upper_bounds(
-            query.reshape(b, h, hq // h * n, d), self.page_min[:, :, :count], self.page_max[:, :, :count]
-        ).amax(2)  # [B, H, P]
+        bounds = page_scores(
+            query.reshape(b, h, hq // h * n, d),
+            self.page_min[:, :, :count],
+            self.page_max[:, :, :count],
+            backend,
+        )  # [B, H, P]
         lengths = self.paged_lengths()
         if len(set(lengths)) == 1:  # rows hold the same far tokens (no padding): every page < count is real
             paged: torch.Tensor | int = lengths[0]

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvweave._compat import mask_to_bool, sdpa_attention
-from kvweave.cache import CompressedLayer, StepPositions, tensors_nbytes
+from kvweave.cache import CompressedLayer, StepPositions
 from kvweave.kernels import cpu_int8
 from kvweave.kernels.cpu_int8 import Int8Rows
+from kvweave.kernels.registry import choose
 from kvweave.methods.dkcache.attention import (
     CHUNK_ELEMENTS,
     ScoredPart,
@@ -23,8 +24,9 @@ from kvweave.methods.dkcache.attention import (
     remapped_attention,
 )
 from kvweave.methods.dkcache.compensation import CompensationMixin
-from kvweave.methods.dkcache.far import FarTier, Part, far_device
+from kvweave.methods.dkcache.far import PAGE_SCORES, FarTier, Part, far_device
 from kvweave.methods.dkcache.positions import group_size, grouped_query, is_near
+from kvweave.methods.dkcache.stats import LayerStatsMixin
 from kvweave.methods.dkcache.tiers import Tier, decouple_keys
 from kvweave.ops.rope import RopeTable
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from kvweave.methods.dkcache import DKCache
 
 
-class DKCacheLayer(CompensationMixin, CompressedLayer):
+class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
     """Core / steady / far tiers of one decoder layer (see the package docstring).
 
     Saved in a cache file: the tiers, how keys are held, the running decoupling sum, the ``attended`` budget and
@@ -98,6 +100,7 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
         self.pages_total: torch.Tensor | None = None  # [B, H] summed over decode steps
         self.decode_steps = 0
         self.retrieval_steps = 0
+        self.scores_kernel: str | None = None  # where the far pages were last scored (torch or triton)
 
     def reset(self) -> None:
         self.__init__(self.cache, self.layer_idx, self.method, self.chunk_elements)  # type: ignore[misc]
@@ -344,7 +347,7 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
         ] = []
         if self.far is not None:  # keys, values, slots, validity, bias
             parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype, False)]
-        kernel = self.method.kernel != "torch"
+        kernel = self.method.kernel in ("auto", "cpp")  # the C++ INT8 kernel may run (CPU only)
         if self.method.kernel == "cpp" and cpu_int8.load() is None:
             raise RuntimeError(
                 f"dkcache: kernel=cpp, but the C++ INT8 kernel is not available: "
@@ -421,12 +424,25 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
                 return None
         self._refresh_summaries(dtype)
         part, ok, chosen = self.far.retrieve(
-            query, dtype, self.device, self.method.pages, rows_on, self.pad_count, with_positions
+            query,
+            dtype,
+            self.device,
+            self.method.pages,
+            rows_on,
+            self.pad_count,
+            with_positions,
+            self._scores_on(),
         )
         self.pages_last = chosen.sum(-1)
         self.pages_total = self.pages_last if self.pages_total is None else self.pages_total + self.pages_last
         self.retrieval_steps += 1
         return part, ok
+
+    def _scores_on(self) -> str:
+        """Where the far pages are scored: Triton on CUDA (``kernel=auto`` or ``triton``), else torch."""
+        choice = self.method.kernel if self.method.kernel in ("auto", "triton") else "torch"
+        self.scores_kernel = choose(PAGE_SCORES, choice, self.device)
+        return self.scores_kernel
 
     def _refresh_summaries(self, dtype: torch.dtype) -> None:
         """Bring the far pages' min/max summaries up to date with how attention sees the keys this step."""
@@ -492,7 +508,7 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
             return None
         return self.steady_sum / self.steady_count.clamp(min=1).view(-1, 1, 1, 1)
 
-    # -- batch, bytes, stats
+    # -- batch (bytes and stats: LayerStatsMixin, stats.py)
     def select_rows(self, rows: torch.Tensor) -> None:
         order = rows.tolist()
         for tier in (self.core_tier, self.steady_tier):
@@ -514,88 +530,3 @@ class DKCacheLayer(CompensationMixin, CompressedLayer):
             if value is not None:
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
         self.rows = len(order)
-
-    def _tier_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return {
-            "core": self.core_tier.tensors(),
-            "steady": self.steady_tier.tensors(),
-            "far": self.far.tensors() if self.far is not None else [],
-            "other": [
-                t
-                for t in (
-                    self.steady_sum,
-                    self.steady_count,
-                    self.last_entropy,
-                    self.last_attended,
-                    self.pages_last,
-                    self.pages_total,
-                    self.pad_count,
-                )
-                if t is not None
-            ],
-        }
-
-    def read_bytes(self) -> int:
-        """Bytes one decode step reads: the live core and steady entries, the far tier's sinks and page summaries,
-        and the pages retrieved at the last step (not the far pages left out)."""
-        total = self.core_tier.entry_bytes() + self.steady_tier.entry_bytes()
-        far = self.far
-        if far is None:
-            return total
-        total += tensors_nbytes(far.sink.values())
-        count = far.page_count()
-        for summary in (far.page_min, far.page_max):
-            if summary is not None:
-                total += summary[:, :, :count].numel() * summary.element_size()
-        if self.pages_last is not None and far.store:
-            per_token = sum(
-                t[0, 0, 0].numel() * t.element_size() for name, t in far.store.items() if name != "positions"
-            )
-            total += int(self.pages_last.sum().item()) * far.page * per_token
-        return total
-
-    def nbytes(self) -> int:
-        """Bytes of every tensor this layer holds (all tiers, page summaries, running mean). The RoPE table is
-        shared by all layers of the cache and is not KV; it is not counted."""
-        return tensors_nbytes(t for group in self._tier_tensors().values() for t in group)
-
-    def entries(self) -> int:
-        """Entries held per (row, head): core + steady + the far tier (sinks and pages)."""
-        far = 0
-        if self.far is not None:
-            held = self.far.paged_lengths() if self.far.keep_pages else [0] * self.rows
-            far = max(
-                (min(self.far.sinks, n) + p for n, p in zip(self.far.lengths, held, strict=True)), default=0
-            )
-        return len(self.core_tier) + len(self.steady_tier) + far
-
-    def attended_entries(self) -> int:
-        """Entries in the last decode step's attention (last query, mean over KV heads, largest row)."""
-        return 0 if self.last_attended is None else int(round(self.last_attended.max().item()))
-
-    def layer_stats(self) -> dict[str, Any]:
-        """Tier sizes, bytes per tier, per-step attention size, pages retrieved, Self-Extend group."""
-        far = self.far
-        steps = max(self.decode_steps, 1)
-        pages_mean = 0.0 if self.pages_total is None else float(self.pages_total.float().mean()) / steps
-        return {
-            "entries": self.entries(),
-            "attended_entries": self.attended_entries(),
-            "tiers": {
-                "core": len(self.core_tier),
-                "steady": len(self.steady_tier),
-                "far": max(far.paged_lengths(), default=0) if far is not None and far.keep_pages else 0,
-                "sinks": max((min(far.sinks, n) for n in far.lengths), default=0) if far is not None else 0,
-            },
-            "tier_bytes": {name: tensors_nbytes(group) for name, group in self._tier_tensors().items()},
-            "core_bound": self.core_size,
-            "steady_bound": self.steady_bound,
-            "pages_retrieved_last_step": 0.0
-            if self.pages_last is None
-            else float(self.pages_last.float().mean()),
-            "pages_retrieved_per_step": pages_mean,
-            "retrieval_steps": self.retrieval_steps,
-            "decode_steps": self.decode_steps,
-            "group_size": max(self.groups, default=1),
-            "last_attention_entropy": None if self.last_entropy is None else float(self.last_entropy.mean()),
-        }

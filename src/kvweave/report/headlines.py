@@ -1,0 +1,209 @@
+"""Headline figures rendered from committed rows, so the README and the findings never quote a number by hand.
+
+A headline is a marked span in a document: ``<!-- fig:NAME -->1.13x<!-- /fig -->``. :data:`HEADLINES` says
+where each figure comes from (a rows file under ``docs/data``, the row's method spec and filters, the field and
+how to summarise it); :func:`render` rewrites every span from the rows. A figure whose rows were written under
+older defaults than the method's current ones (``spec_version``: :func:`kvweave.registry.canonical_spec` of
+the row differs from the spec read today) is rendered with the configuration it measured, in words, so an old
+figure is never read as the current default's.
+
+Rendered by ``python -m kvweave.report.headlines README.md docs/findings.md`` (``--check`` only says whether
+they are current: what ``tests/unit/test_headlines.py`` asserts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+SPAN = re.compile(r"<!-- fig:(?P<name>[a-z0-9-]+) -->(?P<text>.*?)<!-- /fig -->", re.S)
+
+
+@dataclasses.dataclass(frozen=True)
+class Headline:
+    """One figure: ``rows`` (a JSONL file relative to the repository), the rows whose ``method`` is ``method``
+    and whose fields equal ``where``, their ``field`` summarised by ``summary`` (``median``, ``min``, ``max``,
+    ``range``, ``mean``) and written with ``fmt``; ``scale`` multiplies the value first (bytes -> MiB)."""
+
+    rows: str
+    method: str
+    field: str
+    fmt: str
+    where: tuple[tuple[str, Any], ...] = ()
+    summary: str = "median"
+    scale: float = 1.0
+
+    def select(self, root: Path = ROOT) -> list[dict[str, Any]]:
+        """The rows this figure summarises (error when none: a figure with no rows is not a figure)."""
+        path = root / self.rows
+        if not path.exists():
+            raise FileNotFoundError(f"headline rows {self.rows} are missing")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        chosen = [
+            r for r in rows if r.get("method") == self.method and all(r.get(k) == v for k, v in self.where)
+        ]
+        if not chosen:
+            raise ValueError(f"no rows of {self.method} {dict(self.where)} in {self.rows}")
+        return chosen
+
+    def value(self, root: Path = ROOT) -> str:
+        """The figure as text, with the older configuration named when its rows predate today's defaults."""
+        rows = self.select(root)
+        values = [float(r[self.field]) * self.scale for r in rows]
+        text = _SUMMARIES[self.summary](values, self.fmt)
+        older = older_configuration(self.method, rows)
+        return f"{text} (rows of `{older}`, an older configuration)" if older else text
+
+
+def _range(values: list[float], fmt: str) -> str:
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low.rstrip('x')}–{high}"
+
+
+_SUMMARIES: dict[str, Callable[[list[float], str], str]] = {
+    "median": lambda v, f: f.format(statistics.median(v)),
+    "mean": lambda v, f: f.format(statistics.fmean(v)),
+    "min": lambda v, f: f.format(min(v)),
+    "max": lambda v, f: f.format(max(v)),
+    "range": _range,
+}
+
+
+def older_configuration(method: str, rows: list[dict[str, Any]]) -> str | None:
+    """The spec the rows measured when it is not what ``method`` means today (their ``spec_version`` predates
+    a default it depends on), else ``None``."""
+    from kvweave.registry import canonical_spec, parse_method
+
+    today = parse_method(method).spec()
+    for row in rows:
+        version = row.get("spec_version")
+        then = parse_method(canonical_spec(method, legacy=version is None, version=version)).spec()
+        if then != today:
+            return then
+    return None
+
+
+HEADLINES: dict[str, Headline] = {
+    "dw-16k-speed": Headline(
+        "docs/data/bench/bench-16k-fused.jsonl",
+        "depthweave:decode_tokens=512",
+        "speedup",
+        "{:.2f}x",
+        (("context", 16384),),
+    ),
+    "dw-16k-bound": Headline(
+        "docs/data/bench/bench-16k-fused.jsonl",
+        "depthweave:decode_tokens=512",
+        "bound",
+        "{:.2f}x",
+        (("context", 16384),),
+    ),
+    "dk-16k-speed": Headline(
+        "docs/data/bench/bench-16k.jsonl", "dkcache", "speedup", "{:.2f}x", (("context", 16384),)
+    ),
+    "dk-16k-mib": Headline(
+        "docs/data/bench/bench-16k.jsonl",
+        "dkcache",
+        "kv_bytes",
+        "{:.0f} MiB",
+        (("context", 16384),),
+        scale=2**-20,
+    ),
+    "dk-16k-compression": Headline(
+        "docs/data/bench/bench-16k.jsonl", "dkcache", "compression", "{:.2f}x", (("context", 16384),)
+    ),
+    "dk16-16k-speed": Headline(
+        "docs/data/bench/bench-16k.jsonl", "dkcache:bits=16", "speedup", "{:.2f}x", (("context", 16384),)
+    ),
+    "dw-mq-4k-score": Headline(
+        "docs/data/runs/dw20-mq-4k-b/rows.jsonl",
+        "depthweave:protect=0.02",
+        "score",
+        "{:.0f} %",
+        (("task", "niah_multiquery"), ("context", 4096)),
+        summary="mean",
+        scale=100,
+    ),
+    "dw-mq-4k-compression": Headline(
+        "docs/data/runs/dw20-mq-4k-b/rows.jsonl",
+        "depthweave:protect=0.02",
+        "compression",
+        "{:.1f}x",
+        (("task", "niah_multiquery"), ("context", 4096)),
+        summary="range",
+    ),
+    "dw-mk-4k-score": Headline(
+        "docs/data/runs/dw20-mk-4k/rows.jsonl",
+        "depthweave",
+        "score",
+        "{:.0f} %",
+        (("task", "niah_multikey"), ("context", 4096)),
+        summary="mean",
+        scale=100,
+    ),
+    "dw-mk-4k-compression": Headline(
+        "docs/data/runs/dw20-mk-4k/rows.jsonl",
+        "depthweave",
+        "compression",
+        "{:.1f}x",
+        (("task", "niah_multikey"), ("context", 4096)),
+        summary="range",
+    ),
+    "dw-mk-4k-v1-compression": Headline(
+        "docs/data/runs/niah-4k/rows.jsonl",
+        "depthweave",
+        "compression",
+        "{:.1f}x",
+        (("task", "niah_multikey"), ("context", 4096)),
+        summary="range",
+    ),
+}
+"""Every headline figure of the README and the findings, by the name its span carries."""
+
+
+def render(text: str, root: Path = ROOT, headlines: dict[str, Headline] | None = None) -> str:
+    """``text`` with every ``<!-- fig:NAME -->`` span rewritten from its rows (unknown names are an error)."""
+    table = HEADLINES if headlines is None else headlines
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in table:
+            raise KeyError(f"fig:{name} has no entry in kvweave.report.headlines.HEADLINES")
+        return f"<!-- fig:{name} -->{table[name].value(root)}<!-- /fig -->"
+
+    return SPAN.sub(replace, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite (or with ``--check`` only check) the headline spans of the given documents."""
+    parser = argparse.ArgumentParser(description="Render the headline figures of documents from their rows.")
+    parser.add_argument("documents", nargs="+", type=Path, help="markdown files with <!-- fig:NAME --> spans")
+    parser.add_argument("--check", action="store_true", help="only say which documents are stale (exit 1)")
+    args = parser.parse_args(argv)
+    stale = []
+    for path in args.documents:
+        text = path.read_text()
+        rendered = render(text)
+        if rendered != text:
+            stale.append(str(path))
+            if not args.check:
+                path.write_text(rendered)
+    if args.check and stale:
+        print(
+            f"stale headline figures in {', '.join(stale)}: run python -m kvweave.report.headlines",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

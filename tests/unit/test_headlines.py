@@ -1,0 +1,66 @@
+"""The README's and findings' headline figures are what their committed rows give, and say so when the rows
+predate the method's current defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvweave.report import headlines
+from kvweave.report.headlines import SPAN, Headline, render
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "findings.md"]
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
+def test_headline_figures_are_rendered_from_their_rows(path):
+    text = path.read_text()
+    assert SPAN.search(text), f"{path.name} has no headline spans"
+    assert render(text) == text, (
+        f"stale figures in {path.name}: run python -m kvweave.report.headlines {path.name}"
+    )
+
+
+def test_every_headline_has_rows_and_a_span():
+    used = {m.group("name") for path in DOCUMENTS for m in SPAN.finditer(path.read_text())}
+    assert used == set(headlines.HEADLINES), "a headline without a span, or a span without a headline"
+    for headline in headlines.HEADLINES.values():
+        assert headline.select(ROOT)
+
+
+def _rows(tmp_path, rows):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_figure_from_older_defaults_names_the_configuration_it_measured(tmp_path):
+    _rows(
+        tmp_path,
+        [
+            {"method": "depthweave", "spec_version": 4, "speedup": 1.2},
+            {"method": "depthweave", "spec_version": 4, "speedup": 1.0},
+            {"method": "depthweave", "spec_version": 4, "speedup": 1.1},
+        ],
+    )
+    current = Headline("rows.jsonl", "depthweave", "speedup", "{:.2f}x")
+    assert current.value(tmp_path) == "1.10x"  # the median, current defaults: no note
+    _rows(tmp_path, [{"method": "depthweave", "spec_version": 3, "speedup": 1.13}])
+    assert current.value(tmp_path) == "1.13x (rows of `depthweave:protect=0.0`, an older configuration)"
+
+
+def test_a_span_is_rewritten_and_unknown_or_empty_ones_refused(tmp_path):
+    _rows(tmp_path, [{"method": "quant", "spec_version": 4, "compression": 2.5, "task": "a"}])
+    table = {"q": Headline("rows.jsonl", "quant", "compression", "{:.1f}x", (("task", "a"),))}
+    assert (
+        render("x <!-- fig:q -->9.9x<!-- /fig --> y", tmp_path, table)
+        == "x <!-- fig:q -->2.5x<!-- /fig --> y"
+    )
+    with pytest.raises(KeyError, match="fig:nope"):
+        render("<!-- fig:nope -->1<!-- /fig -->", tmp_path, table)
+    empty = {"q": Headline("rows.jsonl", "quant", "compression", "{:.1f}x", (("task", "b"),))}
+    with pytest.raises(ValueError, match="no rows"):
+        render("<!-- fig:q -->1<!-- /fig -->", tmp_path, empty)
