@@ -298,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=_non_negative, default=2, help="untimed decode steps per method first (default 2)"
     )
     p.add_argument(
+        "--own-prefill",
+        action="store_true",
+        help="every method prefills the prompt itself (default: one recorded exact prefill per point, replayed "
+        "into every method whose prefill attention is exact)",
+    )
+    p.add_argument(
         "--out",
         help="where rows are appended as each point finishes: a FILE.jsonl, or a folder (bench.jsonl + "
         "command.txt, which `kvweave report FOLDER` reads)",

@@ -66,3 +66,48 @@ def test_bad_input_is_refused_with_the_option():
 def test_cli_rejects_a_bad_method_before_loading(capsys):
     assert main(["bench", "--methods", "nosuch", "--context", "64"]) == 2
     assert "unknown method 'nosuch'" in capsys.readouterr().err
+
+
+def test_one_recorded_prefill_per_point_replays_into_every_exact_method(tiny, monkeypatch):
+    """Methods whose prefill is exact are filled from one recording (``prefill: replayed``) and hold the same
+    bytes and decode the same tokens as with their own forward pass; the others prefill themselves."""
+    methods = [
+        "full",
+        "depthweave:recent=8,block=8,group=2,compression=3,probe=4,window=8,sinks=2,page=4",
+        "quant:residual=8,group=8",
+        "pi:factor=2",
+    ]
+    base = dict(
+        methods=methods,
+        contexts=[48],
+        batches=[1],
+        model=None,
+        shape="qwen2.5-0.5b",
+        steps=3,
+        rounds=1,
+        warmup=0,
+    )
+    tokens: dict[tuple[bool, str], list[int]] = {}
+    decode = bench._decode
+
+    def spy(model, trial, steps, device):
+        out = decode(model, trial, steps, device)
+        tokens.setdefault((base["share"], trial.spec), []).append(int(trial.token[0, 0]))
+        return out
+
+    monkeypatch.setattr(bench, "_decode", spy)
+    rows = {}
+    for share in (True, False):
+        base["share"] = share
+        config = bench.BenchConfig(**{k: v for k, v in base.items() if k != "share"}, share_prefill=share)
+        rows[share] = {r["method"]: r for r in bench.run_bench(config, lambda row: None)}
+    assert {m: r["prefill"] for m, r in rows[True].items()} == {
+        "full": "replayed",
+        methods[1]: "replayed",
+        methods[2]: "replayed",
+        "pi:factor=2": "own",
+    }
+    assert {r["prefill"] for r in rows[False].values()} == {"own"}
+    for method in methods:
+        assert rows[True][method]["kv_bytes"] == rows[False][method]["kv_bytes"], method
+        assert tokens[(True, method)] == tokens[(False, method)], method

@@ -27,6 +27,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,
+        share_prefill=not args.own_prefill,
     )
     out = None
     if args.out:  # a folder gets bench.jsonl and the command line beside it (the report prints it)

@@ -1,14 +1,19 @@
 """``kvweave bench``: decode speed and memory of each method against ``full``, measured in the same process.
 
-Not a test: a measurement that writes rows. Per context length and batch size, every method prefills the same
+Not a test: a measurement that writes rows. Per context length and batch size, every method gets the same
 prompt (the model's own haystack text with a real model; random token ids with ``--shape``), then decodes in
 interleaved rounds (``full`` first, then each method, ``--rounds`` times; one forward per token, greedy), so
-background load hits every method alike. Each row reports:
+background load hits every method alike. The prompt is prefilled **once** per point: the model's exact prefill is
+recorded and replayed into every method whose prefill attention is exact (``Method.replays_prefill``, the
+evaluation's :mod:`kvweave.eval.prefill`; the replay hands the cache the prompt's ids as a forward pass would);
+the others (``prefill: "own"`` in their rows) run their own forward pass. Each row reports:
 
 - ``ms_per_token``: the median over rounds of the round's mean step time; ``tok_s`` = batch / step time;
 - ``speedup``: ``full``'s step time / this method's, measured in the same run;
 - ``prefill_s`` and ``overhead_s`` (prefill minus ``full``'s prefill: what compressing costs), after an
-  untimed 256-token prefill of every method (kernel builds, allocator warm-up);
+  untimed 256-token prefill of every method (kernel builds, allocator warm-up); a replayed method's
+  ``prefill_s`` is the shared recording plus its own replay, so ``overhead_s`` is what its replay costs beyond
+  ``full``'s;
 - ``kv_bytes`` (tensors held, ``cache.nbytes()``), ``kv_read_bytes`` (what one decode step reads from the
   cache, ``cache.read_bytes()``: fewer than held where a method attends to part of what it holds);
 - ``weight_bytes``, ``bandwidth_gb_s`` (this machine's measured copy bandwidth) and the **bound**
@@ -81,6 +86,7 @@ class BenchConfig:
     steps: int = 8
     rounds: int = 3
     warmup: int = 2
+    share_prefill: bool = True  # one recorded exact prefill per point, replayed into every method that can
 
     def __post_init__(self) -> None:
         if self.shape is not None and self.shape not in SHAPES:
@@ -197,15 +203,51 @@ class _Trial:
     prefill_s: float
     peak: tuple[int, str]
     rounds: list[float] = dataclasses.field(default_factory=list)
+    how: str = "own"  # "own" forward pass or "replayed" from the point's shared recording
 
 
-def _prefill(model: Any, spec: str, ids: torch.Tensor, device: str) -> _Trial:
+class SharedRecording:
+    """One exact prefill of a point's prompt, recorded on first use and replayed into each method's cache."""
+
+    def __init__(self, model: Any, ids: torch.Tensor, device: str) -> None:
+        self.model, self.ids, self.device = model, ids, device
+        self.steps: list[Any] | None = None
+        self.token: torch.Tensor | None = None
+        self.seconds = 0.0
+
+    def fill(self, cache: Any) -> tuple[torch.Tensor, float]:
+        """Fill ``cache`` from the recording (made now if it is the first); ``(next token, seconds charged)``."""
+        from kvweave.eval.prefill import record_prefill, replay_prefill
+
+        if self.steps is None:
+            logits: list[torch.Tensor] = []
+            _sync(self.device)
+            start = time.perf_counter()
+            self.steps = record_prefill(self.model, self.ids, logits=logits)
+            _sync(self.device)
+            self.seconds, self.token = time.perf_counter() - start, logits[0].argmax(-1)
+        _sync(self.device)
+        start = time.perf_counter()
+        observe = getattr(cache, "observe_input_ids", None)
+        if observe is not None:  # what the forward pass would have handed over
+            observe(self.ids)
+        replay_prefill(cache, self.steps)
+        _sync(self.device)
+        return self.token, self.seconds + time.perf_counter() - start  # type: ignore[return-value]
+
+
+def _prefill(
+    model: Any, spec: str, ids: torch.Tensor, device: str, shared: SharedRecording | None = None
+) -> _Trial:
     import kvweave
     from kvweave._compat import cache_kwarg
 
     cache = kvweave.make_cache(spec, model)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    if shared is not None and cache.method.replays_prefill(model.config, ids.shape[1]):
+        token, elapsed = shared.fill(cache)
+        return _Trial(spec, cache, token, elapsed, _peak(device), how="replayed")
     _sync(device)
     start = time.perf_counter()
     logits = model(ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits
@@ -215,8 +257,11 @@ def _prefill(model: Any, spec: str, ids: torch.Tensor, device: str) -> _Trial:
 
 
 def _decode(model: Any, trial: _Trial, steps: int, device: str) -> float:
-    """Decode ``steps`` tokens; returns seconds per step."""
+    """Decode ``steps`` tokens; returns seconds per step (0 for no steps: ``--warmup 0``)."""
     from kvweave._compat import cache_kwarg
+
+    if steps == 0:
+        return 0.0
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -255,11 +300,23 @@ def run_bench(
     with torch.no_grad():
         for context in config.contexts:
             for batch in config.batches:
-                progress(f"context {context}, batch {batch}: prefill {len(specs)} methods")
                 ids = prompt(tokenizer, vocab, context, batch, config.device)
                 for spec in specs:  # untimed: the first forward of each method pays one-off costs
                     _prefill(model, spec, ids[:, : min(context, 256)], config.device)
-                trials = [_prefill(model, spec, ids, config.device) for spec in specs]
+                shared = SharedRecording(model, ids, config.device) if config.share_prefill else None
+                trials = []
+                started = time.perf_counter()
+                for index, spec in enumerate(specs):
+                    progress(f"context {context}, batch {batch}: prefill {index + 1}/{len(specs)} {spec}")
+                    trials.append(_prefill(model, spec, ids, config.device, shared))
+                    done = time.perf_counter() - started
+                    recording = shared.seconds if shared is not None else 0.0
+                    left = _prefill_eta(trials, specs[index + 1 :], model, context, recording)
+                    progress(
+                        f"context {context}, batch {batch}: {spec} {trials[-1].how} prefill "
+                        f"{trials[-1].prefill_s:.1f} s (all so far {done:.0f} s, about {left:.0f} s to go)"
+                    )
+                del shared
                 for trial in trials:  # warm-up steps, not timed
                     _decode(model, trial, config.warmup, config.device)
                 for index in range(config.rounds):
@@ -272,6 +329,21 @@ def run_bench(
                 rows += point
                 del trials
     return rows
+
+
+def _prefill_eta(
+    done: Sequence[_Trial], rest: Sequence[str], model: Any, context: int, recording: float
+) -> float:
+    """Seconds the remaining prefills should take: a replay what the replays so far cost beyond the shared
+    ``recording`` seconds, an own prefill what a whole prefill did (the recording, or the slowest own one)."""
+    from kvweave.registry import parse_method
+
+    replays = [t.prefill_s - recording for t in done if t.how == "replayed"]
+    whole = max([recording] + [t.prefill_s for t in done if t.how == "own"])
+    replay = statistics.median(replays) if replays else 0.1 * whole
+    return sum(
+        replay if parse_method(spec).replays_prefill(model.config, context) else whole for spec in rest
+    )
 
 
 def _rows(
@@ -312,6 +384,7 @@ def _rows(
                 "bound": round(bound, 4),
                 "of_bound": round(speedup / bound, 4),
                 "prefill_s": round(trial.prefill_s, 3),
+                "prefill": trial.how,
                 "overhead_s": round(trial.prefill_s - full.prefill_s, 3),
                 "kv_bytes": held,
                 "kv_read_bytes": kv_read,

@@ -63,10 +63,14 @@ class _RecordingLayer(CompressedLayer):
 
 
 def record_prefill(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    logits: list[torch.Tensor] | None = None,
 ) -> list[LayerStep | tuple[torch.Tensor, torch.Tensor]]:
     """Run the prefill once; per layer either its attention step or, for layers kvweave leaves to
-    transformers (sliding windows), the ``(key, value)`` it stored."""
+    transformers (sliding windows), the ``(key, value)`` it stored. ``logits``, when given, receives the
+    last position's logits ``[B, 1, V]`` (every replaying method's, since their prefill is exact)."""
     prepare(model)
     cache = KVCache(_Record(), model)
     plain: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -74,13 +78,15 @@ def record_prefill(
         if not isinstance(layer, CompressedLayer):  # e.g. sliding windows: record what they are given
             layer.update = _recording_update(layer.update, plain, idx)
     with torch.no_grad():
-        model(
+        out = model(
             input_ids,
             attention_mask=attention_mask,
             use_cache=True,
             logits_to_keep=1,
             **{cache_kwarg(model): cache},
         )
+    if logits is not None:
+        logits.append(out.logits[:, -1:])
     steps: dict[int, LayerStep] = cache.context.recorded
     recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]] = []
     for idx in range(len(cache.layers)):

@@ -168,7 +168,9 @@ class WeaveGroup(Stateful):
         padding = slots.view(1, -1) < pad_count.view(-1, 1)
         heads, dim = keys[0].shape[1], keys[0].shape[3]
         per_token_16bit = len(buffers) * 2 * heads * dim * 2  # a 16-bit full cache of this group, per token
-        kept_recent = newest.count() - count
+        # the recent buffer after this fold; while decoding it refills to ``recent + block`` before the next one,
+        # so decode folds budget for its mean fill (the held bytes then average ``compression`` over a fold)
+        kept_recent = newest.count() - count + (self.method.block // 2 if first > 0 else 0)
         element = newest.keys.element_size()  # type: ignore[union-attr]
         recent_bytes = len(buffers) * kept_recent * (2 * heads * dim * element + 8)  # + position, score
         for b in range(rows):
