@@ -36,9 +36,13 @@ def register(name: str) -> Any:
     return wrap
 
 
-def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A method option: a dataclass field with a help text (shown by ``kvweave methods``)."""
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+def option(default: Any, help: str, tuning: bool = False, **metadata: Any) -> Any:
+    """A method option: a dataclass field with a help text (shown by ``kvweave methods``).
+
+    ``tuning=True`` marks an implementation setting (a kernel backend, a reference path, a constant the
+    measurements fixed): ``kvweave methods`` lists it apart from the options users choose, and the README's
+    tables leave it out. It still parses, so experiments, tests and older commands and rows keep working."""
+    return dataclasses.field(default=default, metadata={"help": help, "tuning": tuning, **metadata})
 
 
 TOKEN_IDS_NOTE = (
@@ -122,13 +126,10 @@ class Method:
             "token_ids": TOKEN_IDS_NOTE if cls.reads_token_ids else None,
             "budget": dict(cls.budget_options),
             "options": [
-                {
-                    "name": f.name,
-                    "type": _type_name(hints.get(f.name)),
-                    "default": f.default,
-                    "help": f.metadata.get("help", ""),
-                }
-                for f in dataclasses.fields(cls)
+                _describe_field(f, hints) for f in dataclasses.fields(cls) if not f.metadata.get("tuning")
+            ],
+            "tuning": [
+                _describe_field(f, hints) for f in dataclasses.fields(cls) if f.metadata.get("tuning")
             ],
         }
 
@@ -213,6 +214,15 @@ def canonical_spec(
         return cls(**{k: v for k, v in values.items() if k in fields}).spec()
     except (TypeError, ValueError):
         return spec
+
+
+def _describe_field(field: dataclasses.Field[Any], hints: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": field.name,
+        "type": _type_name(hints.get(field.name)),
+        "default": field.default,
+        "help": field.metadata.get("help", ""),
+    }
 
 
 def _type_name(hint: Any) -> str:

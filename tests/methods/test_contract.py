@@ -54,7 +54,9 @@ def test_invalid_options_rejected_with_name(name):
 def test_describe_lists_options(name):
     info = METHODS[name].describe()
     assert info["name"] == name and info["summary"]
-    assert all(o["help"] for o in info["options"]), "every option needs a help text"
+    assert all(o["help"] for o in info["options"] + info["tuning"]), "every option needs a help text"
+    assert len(info["options"]) <= 12, f"{name}: more options than a user chooses; mark the rest tuning=True"
+    assert set(METHODS[name].budget_options) <= {o["name"] for o in info["options"]}, "budgets are user options"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -24,14 +24,14 @@ def _hand_built(hot, t=20):
 
 def test_window_votes_select_prompt_entries():
     keys, query = _hand_built([3, 7, 11, 13])
-    layer = hand_built_layer(SnapKVLayer, parse_method("snapkv:budget=8,window=4,kernel=1"), keys)
+    layer = hand_built_layer(SnapKVLayer, parse_method("snapkv:budget=8,window=4,pool=1"), keys)
     layer.after_attention(query, None, 0)
     assert layer.held_slots()[0, 0].tolist() == [3, 7, 11, 13, 16, 17, 18, 19]
 
 
 def test_pooling_keeps_neighbours_of_a_voted_token():
     keys, query = _hand_built([9])
-    layer = hand_built_layer(SnapKVLayer, parse_method("snapkv:budget=7,window=4,kernel=3"), keys)
+    layer = hand_built_layer(SnapKVLayer, parse_method("snapkv:budget=7,window=4,pool=3"), keys)
     layer.after_attention(query, None, 0)
     assert layer.held_slots()[0, 0].tolist() == [8, 9, 10, 16, 17, 18, 19]
 

@@ -24,4 +24,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"{info['name']:<12} {info['summary']}  [{caps}]")
         for opt in info["options"]:
             print(f"    {opt['name'] + '=' + str(opt['default']):<28} {opt['type']:<14} {opt['help']}")
+        if info["tuning"]:
+            names = ", ".join(opt["name"] for opt in info["tuning"])
+            print(
+                f"    tuning (implementation settings for experiments and tests; --json explains them): {names}"
+            )
     return 0

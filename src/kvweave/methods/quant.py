@@ -63,11 +63,12 @@ class Quant(Method):
     bits: int = option(4, "bits per code: 8, 4 or 2")
     group: int = option(32, "tokens per key block and channels per value group")
     residual: int = option(128, "most recent tokens kept exact")
-    chunk: int = option(4096, "tokens dequantized at a time during attention")
+    chunk: int = option(4096, "tokens dequantized at a time during attention", tuning=True)
     kernel: str = option(
         "auto",
         "decode attention: 'cpp' (fused C++ CPU kernel, built on first use), 'triton' (fused Triton kernel on "
         "CUDA), 'torch' (the reference), or 'auto' (triton on CUDA, cpp on CPU when it builds, else torch)",
+        tuning=True,
     )
     storage: str = option("auto", STORAGE_HELP)
 

@@ -2,7 +2,7 @@
 
 At prefill the last ``window`` prompt queries (the "observation window") vote for the prompt entries: their
 attention over the entries before the window is summed (over the window's queries and over the query heads
-of each KV head's group), smoothed with a 1-D max or average pool of width ``kernel`` so that neighbours of
+of each KV head's group), smoothed with a 1-D max or average pool of width ``pool`` so that neighbours of
 an important token survive with it, and each KV head keeps its top entries plus the observation window
 itself. As in the paper, decoding appends new tokens uncompressed: memory grows with the generated length
 (``bounded_memory`` is False), the saving is on the prompt.
@@ -32,20 +32,21 @@ class SnapKV(Method):
     budget: int = option(1024, "prompt entries kept per KV head, window included (ignored when ratio is set)")
     ratio: float | None = option(None, "fraction of each row's prompt tokens kept (overrides budget)")
     window: int = option(32, "observation window: last prompt queries that score, always kept")
-    kernel: int = option(7, "pooling width over the scores (odd; 1 = no pooling)")
+    pool: int = option(7, "pooling width over the scores (odd; 1 = no pooling)")
     pooling: str = option("max", "max or avg pooling of the scores")
     storage: str = option("auto", STORAGE_HELP)
 
     evicts = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
     legacy_defaults = {3: {"storage": "model"}}
-    test_options = {"budget": 16, "window": 4, "kernel": 3}
+    renamed_options = {"kernel": "pool"}  # "kernel" names a backend elsewhere
+    test_options = {"budget": 16, "window": 4, "pool": 3}
     invalid_options = (
         ({"budget": 0}, "budget"),
         ({"ratio": 2.0}, "ratio"),
         ({"window": 0}, "window"),
-        ({"kernel": 4}, "kernel"),
-        ({"kernel": 0}, "kernel"),
+        ({"pool": 4}, "pool"),
+        ({"pool": 0}, "pool"),
         ({"pooling": "sum"}, "pooling"),
     )
 
@@ -53,10 +54,10 @@ class SnapKV(Method):
         check_budget(self)
         self.check_choice("storage", STORAGE_CHOICES)
         self.check_range("window", 1)
-        self.check_range("kernel", 1)
-        if self.kernel % 2 == 0:
+        self.check_range("pool", 1)
+        if self.pool % 2 == 0:
             raise ValueError(
-                f"{self.name}: option kernel={self.kernel!r} is not allowed; use an odd width >= 1"
+                f"{self.name}: option pool={self.pool!r} is not allowed; use an odd width >= 1"
             )
         self.check_choice("pooling", ["max", "avg"])
 
@@ -83,13 +84,13 @@ class SnapKVLayer(EvictingLayer):
 
     def pool(self, scores: torch.Tensor) -> torch.Tensor:
         """1-D pooling of ``scores: [B, H, T]`` along the tokens (same length out)."""
-        kernel = self.method.kernel
-        if kernel == 1:
+        width = self.method.pool
+        if width == 1:
             return scores
         b, h, t = scores.shape
         flat = scores.reshape(b * h, 1, t)
         if self.method.pooling == "max":
-            pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+            pooled = F.max_pool1d(flat, width, stride=1, padding=width // 2)
         else:
-            pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+            pooled = F.avg_pool1d(flat, width, stride=1, padding=width // 2, count_include_pad=True)
         return pooled.view(b, h, t)

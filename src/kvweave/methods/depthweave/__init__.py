@@ -177,17 +177,21 @@ class DepthWeave(Method):
         None, "relative attention-output probe error each group aims for (when set, compression is ignored)"
     )
     rank: int = option(
-        32, "base rank when probes=False (and the provisional rank of the router's novelty signal)"
+        32,
+        "base rank when probes=False (and the provisional rank of the router's novelty signal)",
+        tuning=True,
     )
-    probes: bool = option(True, "choose ranks with attention-output probes (False: the fixed rank)")
-    probe: int = option(16, "last prompt queries used as probes")
+    probes: bool = option(
+        True, "choose ranks with attention-output probes (False: the fixed rank)", tuning=True
+    )
+    probe: int = option(16, "last prompt queries used as probes", tuning=True)
     router: bool = option(
         False, "token-adaptive buckets, exact rows and eviction (False: uniform rank, sinks exact)"
     )
-    window: int = option(32, "last prompt queries whose attention the router reads")
-    sinks: int = option(4, "first tokens kept exact (attention sinks)")
-    residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)")
-    residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows")
+    window: int = option(32, "last prompt queries whose attention the router reads", tuning=True)
+    sinks: int = option(4, "first tokens kept exact (attention sinks)", tuning=True)
+    residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)", tuning=True)
+    residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows", tuning=True)
     protect: float = option(
         0.02,
         "fraction of prompt tokens kept as exact rows because they look like values users retrieve (digits, "
@@ -196,26 +200,35 @@ class DepthWeave(Method):
     residual_bits: int = option(
         16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
     )
-    hi_tokens: float = option(0.2, "fraction of factorized tokens in the high-rank bucket (rank·spread)")
-    lo_tokens: float = option(0.3, "fraction of factorized tokens in the low-rank bucket (rank/spread)")
-    spread: float = option(2.0, "rank ratio between buckets: r_hi = r·spread, r_lo = r/spread")
+    hi_tokens: float = option(
+        0.2, "fraction of factorized tokens in the high-rank bucket (rank·spread)", tuning=True
+    )
+    lo_tokens: float = option(
+        0.3, "fraction of factorized tokens in the low-rank bucket (rank/spread)", tuning=True
+    )
+    spread: float = option(2.0, "rank ratio between buckets: r_hi = r·spread, r_lo = r/spread", tuning=True)
     evict: float = option(0.0, "fraction of tokens dropped, lowest router score first (0: none)")
     bits: int = option(4, "bits of the token-side bases: 16, 8 or 4 (coefficients at 8 when below 16)")
     recent: int = option(32, "newest tokens kept exact")
-    block: int = option(64, "tokens folded into the factorization at a time while decoding")
+    block: int = option(64, "tokens folded into the factorization at a time while decoding", tuning=True)
     decode_tokens: int = option(
         512,
         "compressed tokens each decode step attends per KV head: the pages whose upper bound of q·k is highest "
         "(page summaries kept per layer, counted in the budget); 0: every token, exactly, no summaries",
     )
-    page: int = option(64, "tokens per page summary (decode_tokens > 0)")
+    page: int = option(64, "tokens per page summary (decode_tokens > 0)", tuning=True)
     kernel: str = option(
         "auto",
         "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), torch (gather, dequantize, "
         "matmul: the reference) or auto (cpp on CPU when it builds)",
+        tuning=True,
     )
-    drift: float = option(1.5, "probe error / reference ratio that refreshes the basis while decoding")
-    weighting: float = option(1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean")
+    drift: float = option(
+        1.5, "probe error / reference ratio that refreshes the basis while decoding", tuning=True
+    )
+    weighting: float = option(
+        1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean", tuning=True
+    )
     storage: str = option(
         "auto",
         "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "

@@ -143,15 +143,19 @@ class DKCache(Method):
         "core+steady+sinks attended per step as a fraction of the prompt (longest row), set at "
         "prefill; overrides core/steady. Retrieved far pages come on top",
     )
-    sinks: int = option(4, "first real tokens of each row always in attention (attention sinks)")
+    sinks: int = option(4, "first real tokens of each row always in attention (attention sinks)", tuning=True)
     decouple: bool = option(
         False,
         "de-mean the steady tier's keys: K - alpha * mean(K_steady) (the seed's rule 1; off by default: it cost NIAH "
         "and perplexity in every measurement, docs/findings.md)",
     )
-    alpha: float | None = option(None, "decoupling strength in [0.25, 0.5] (default: the profile's, 0.38)")
-    profile: str = option("default", "alpha preset: default 0.38, chat 0.30, code 0.42 (seed rule 1)")
-    decouple_values: bool = option(False, "refused: values are never decoupled (seed rule 2)")
+    alpha: float | None = option(
+        None, "decoupling strength in [0.25, 0.5] (default: the profile's, 0.38)", tuning=True
+    )
+    profile: str = option(
+        "default", "alpha preset: default 0.38, chat 0.30, code 0.42 (seed rule 1)", tuning=True
+    )
+    decouple_values: bool = option(False, "refused: values are never decoupled (seed rule 2)", tuning=True)
     key_storage: str = option(
         "pre_rope",
         "pre_rope: keys de-rotated, decoupled pre-RoPE and rotated at attention "
@@ -165,7 +169,7 @@ class DKCache(Method):
     trained_length: int | None = option(
         None, "the model's trained context (default: max_position_embeddings)"
     )
-    page: int = option(64, "far-tier page size in tokens")
+    page: int = option(64, "far-tier page size in tokens", tuning=True)
     pages: int = option(16, "far pages per KV head joining attention per step (top upper bound of q.k)")
     retrieve: str = option(
         "always",
@@ -176,12 +180,15 @@ class DKCache(Method):
         0.6,
         "retrieve=entropy: attention entropy / log(entries) of the last step "
         "above which far pages are retrieved",
+        tuning=True,
     )
     bits: int = option(
         8, "steady and far storage: 8 = INT8 per token (the default), 16 = exact at `storage` (4 is refused)"
     )
     far_dtype: str = option(
-        "model", "far-tier storage: model (exact, at `storage`) or int8 (per-token scales)"
+        "model",
+        "far-tier storage: model (exact, at `storage`) or int8 (per-token scales)",
+        tuning=True,
     )
     storage: str = option("auto", STORAGE_HELP)
     offload: bool = option(False, "keep the far tier in host memory when the model is on an accelerator")
@@ -189,20 +196,25 @@ class DKCache(Method):
         "auto",
         "decode kernels: cpp (INT8 tiers in a fused C++ CPU kernel on the codes), triton (far pages scored in "
         "a Triton kernel, CUDA), torch (the references) or auto (triton on CUDA, cpp on CPU when it builds)",
+        tuning=True,
     )
     path: str = option(
         "fast",
         "attention kernels: fast (fused CPU prefill beyond the trained range, decode logits "
         "per tier with no tier copied) or reference (the general masked path over the "
         "concatenated tiers, for testing)",
+        tuning=True,
     )
     hold_rotated: bool = option(
         True,
         "pre_rope storage: hold keys post-RoPE while every position is exact, "
         "de-rotated once when compensation starts (false: pre-RoPE from the start, "
         "attended keys rotated every step; the reference)",
+        tuning=True,
     )
-    flash_chunk: int = option(1024, "queries per chunk of the fused compensated prefill (path=fast)")
+    flash_chunk: int = option(
+        1024, "queries per chunk of the fused compensated prefill (path=fast)", tuning=True
+    )
 
     evicts = True  # per-step attention sees a subset; retrieve=never drops the far tier
     needs_positions = True
