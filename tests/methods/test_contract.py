@@ -56,7 +56,9 @@ def test_describe_lists_options(name):
     assert info["name"] == name and info["summary"]
     assert all(o["help"] for o in info["options"] + info["tuning"]), "every option needs a help text"
     assert len(info["options"]) <= 12, f"{name}: more options than a user chooses; mark the rest tuning=True"
-    assert set(METHODS[name].budget_options) <= {o["name"] for o in info["options"]}, "budgets are user options"
+    assert set(METHODS[name].budget_options) <= {o["name"] for o in info["options"]}, (
+        "budgets are user options"
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

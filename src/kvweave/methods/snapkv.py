@@ -56,9 +56,7 @@ class SnapKV(Method):
         self.check_range("window", 1)
         self.check_range("pool", 1)
         if self.pool % 2 == 0:
-            raise ValueError(
-                f"{self.name}: option pool={self.pool!r} is not allowed; use an odd width >= 1"
-            )
+            raise ValueError(f"{self.name}: option pool={self.pool!r} is not allowed; use an odd width >= 1")
         self.check_choice("pooling", ["max", "avg"])
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> SnapKVLayer:
