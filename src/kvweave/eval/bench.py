@@ -385,6 +385,7 @@ def _rows(
                 "of_bound": round(speedup / bound, 4),
                 "prefill_s": round(trial.prefill_s, 3),
                 "prefill": trial.how,
+                "kernels": kernels_used(trial.cache),
                 "overhead_s": round(trial.prefill_s - full.prefill_s, 3),
                 "kv_bytes": held,
                 "kv_read_bytes": kv_read,
@@ -399,6 +400,15 @@ def _rows(
             }
         )
     return rows
+
+
+def kernels_used(cache: Any) -> list[str]:
+    """The backends the cache's layers last ran their hot loops on (``cpp``, ``triton``, ``torch``; empty for
+    methods without a kernel choice), so a row says whether its speed is a kernel's."""
+    found = {
+        getattr(layer, name, None) for layer in cache.layers for name in ("kernel_used", "scores_kernel")
+    }
+    return sorted(str(k) for k in found if k)
 
 
 def write_rows(path: str | Path) -> Callable[[dict[str, Any]], None]:
