@@ -334,13 +334,14 @@ def run_bench(
 def _prefill_eta(
     done: Sequence[_Trial], rest: Sequence[str], model: Any, context: int, recording: float
 ) -> float:
-    """Seconds the remaining prefills should take: a replay what the replays so far cost beyond the shared
-    ``recording`` seconds, an own prefill what a whole prefill did (the recording, or the slowest own one)."""
+    """Seconds the remaining prefills should take: a replay what the compressing replays so far cost beyond the
+    shared ``recording`` (a third of the recording before any, ``full``'s replay being no guide), an own
+    prefill what a whole prefill did (the recording, or the slowest own one)."""
     from kvweave.registry import parse_method
 
-    replays = [t.prefill_s - recording for t in done if t.how == "replayed"]
+    replays = [t.prefill_s - recording for t in done if t.how == "replayed" and t.spec != "full"]
     whole = max([recording] + [t.prefill_s for t in done if t.how == "own"])
-    replay = statistics.median(replays) if replays else 0.1 * whole
+    replay = statistics.median(replays) if replays else recording / 3
     return sum(
         replay if parse_method(spec).replays_prefill(model.config, context) else whole for spec in rest
     )

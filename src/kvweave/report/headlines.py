@@ -93,24 +93,19 @@ def older_configuration(method: str, rows: list[dict[str, Any]]) -> str | None:
 
 HEADLINES: dict[str, Headline] = {
     "dw-16k-speed": Headline(
-        "docs/data/bench/bench-16k-fused.jsonl",
-        "depthweave:decode_tokens=512",
-        "speedup",
-        "{:.2f}x",
-        (("context", 16384),),
+        "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "speedup", "{:.2f}x", (("context", 16384),)
     ),
     "dw-16k-bound": Headline(
-        "docs/data/bench/bench-16k-fused.jsonl",
-        "depthweave:decode_tokens=512",
-        "bound",
-        "{:.2f}x",
-        (("context", 16384),),
+        "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "bound", "{:.2f}x", (("context", 16384),)
+    ),
+    "q4-16k-speed": Headline(
+        "docs/data/bench/bench-16k-v4.jsonl", "quant:bits=4", "speedup", "{:.2f}x", (("context", 16384),)
     ),
     "dk-16k-speed": Headline(
-        "docs/data/bench/bench-16k.jsonl", "dkcache", "speedup", "{:.2f}x", (("context", 16384),)
+        "docs/data/bench/bench-16k-v4.jsonl", "dkcache", "speedup", "{:.2f}x", (("context", 16384),)
     ),
     "dk-16k-mib": Headline(
-        "docs/data/bench/bench-16k.jsonl",
+        "docs/data/bench/bench-16k-v4.jsonl",
         "dkcache",
         "kv_bytes",
         "{:.0f} MiB",
@@ -118,7 +113,7 @@ HEADLINES: dict[str, Headline] = {
         scale=2**-20,
     ),
     "dk-16k-compression": Headline(
-        "docs/data/bench/bench-16k.jsonl", "dkcache", "compression", "{:.2f}x", (("context", 16384),)
+        "docs/data/bench/bench-16k-v4.jsonl", "dkcache", "compression", "{:.2f}x", (("context", 16384),)
     ),
     "dk16-16k-speed": Headline(
         "docs/data/bench/bench-16k.jsonl", "dkcache:bits=16", "speedup", "{:.2f}x", (("context", 16384),)
