@@ -77,7 +77,9 @@ class CacheContext(Stateful):
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
-        self.prompt_ids: torch.Tensor | None = None  # [B, n] or [n] prompt token ids (DepthWeave's router)
+        # token ids seen so far ([B, n] or [n]), in the pieces the forward passes gave: a decode step appends
+        # its id without copying the rest; :attr:`prompt_ids` joins them when a method reads them
+        self._id_parts: list[torch.Tensor] = []
         self.tokenizer: Any = None
         self.groups: dict[int, Any] = {}  # cross-layer methods' layer groups, by group index
         self.rope_tables: dict[str, RopeTable] = {}  # by layer type
@@ -85,23 +87,29 @@ class CacheContext(Stateful):
         self._step: tuple[Any, tuple[int, int, int], StepPositions] | None = None
         self._warned: set[str] = set()
 
+    @property
+    def prompt_ids(self) -> torch.Tensor | None:
+        """The token ids of positions ``0 ..`` (``[B, n]``, or ``[n]`` as ``set_prompt`` gave them): what
+        content-aware methods read (DepthWeave's router), saved in a cache file."""
+        if len(self._id_parts) > 1:
+            parts = [p.view(1, -1) if p.dim() == 1 else p for p in self._id_parts]
+            rows, device = max(p.shape[0] for p in parts), parts[-1].device
+            self._id_parts = [torch.cat([p.to(device).expand(rows, -1) for p in parts], dim=1)]
+        return self._id_parts[0] if self._id_parts else None
+
+    @prompt_ids.setter
+    def prompt_ids(self, ids: torch.Tensor | None) -> None:
+        self._id_parts = [] if ids is None else [ids]
+
     def observe(self, input_ids: torch.Tensor, first: int) -> None:
         """Keep ``input_ids: [B, q]`` as the ids of positions ``first .. first+q-1``: the first pass sets
         :attr:`prompt_ids`, a pass that continues them appends, ids already held (``set_prompt``) are kept.
         A pass after a gap (ids never seen for earlier positions) is not kept: positions would not line up."""
         ids = input_ids.detach().to(torch.int64)
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
-        held = self.prompt_ids
-        if held is None:
-            if first == 0:
-                self.prompt_ids = ids
-            return
-        held = held.view(1, -1) if held.dim() == 1 else held
-        if held.shape[1] >= first + ids.shape[1] or held.shape[1] != first:
-            return
-        rows = max(held.shape[0], ids.shape[0])
-        held, ids = held.to(ids.device).expand(rows, -1), ids.expand(rows, -1)
-        self.prompt_ids = torch.cat([held, ids], dim=1)
+        held = sum(int(p.shape[-1]) for p in self._id_parts)
+        if held == first:
+            self._id_parts.append(ids)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn ``message`` once per cache and ``key``."""

@@ -231,29 +231,10 @@ def test_nothing_visible_and_bad_arguments() -> None:
 def test_dkcache_scores_its_far_pages_in_the_kernel_through_generate() -> None:
     """``make_cache("dkcache:kernel=triton")`` + ``model.generate``: the far pages are scored by the Triton
     kernel (the CUDA default; here the interpreter) and the tokens equal the torch path's, batch 2, padded."""
-    import kvweave
-    from conftest import tiny_model
-    from kvweave._compat import cache_kwarg
+    from through_methods import generate_per_backend
 
-    model = tiny_model("llama").to(DEVICE)
-    torch.manual_seed(4)
-    ids = torch.randint(3, 150, (2, 72), device=DEVICE)
-    mask = torch.ones_like(ids)
-    mask[0, :6] = 0
     spec = "dkcache:core=4,steady=16,page=8,pages=2,sinks=2,far_dtype=int8,kernel={}"
-    outputs, caches = {}, {}
-    for kernel in ("torch", "triton"):
-        cache = kvweave.make_cache(spec.format(kernel), model)
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=10,
-                min_new_tokens=10,
-                do_sample=False,
-                **{cache_kwarg(model): cache},
-            )
-        outputs[kernel], caches[kernel] = out[:, ids.shape[1] :], cache
+    outputs, caches = generate_per_backend(spec, DEVICE, 72, 10, padded_row=0, pad=6, seed=4)
     assert torch.equal(outputs["triton"], outputs["torch"])
     layers = [layer for layer in caches["triton"].layers if getattr(layer, "retrieval_steps", 0)]
     assert layers and {layer.scores_kernel for layer in layers} == {"triton"}

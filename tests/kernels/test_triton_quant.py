@@ -153,28 +153,10 @@ def test_no_blocks_and_bad_arguments() -> None:
 def test_the_method_runs_the_kernel_through_generate_token_equal_to_torch(bits: int) -> None:
     """``make_cache`` + ``model.generate`` with ``kernel=triton`` (the CUDA default; here the interpreter):
     the same tokens as the torch reference path, batch 2 with left padding, and the layers say it ran."""
-    import kvweave
-    from conftest import tiny_model
-    from kvweave._compat import cache_kwarg
+    from through_methods import generate_per_backend
 
-    model = tiny_model("llama").to(DEVICE)
-    torch.manual_seed(3)
-    ids = torch.randint(3, 150, (2, 40), device=DEVICE)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0  # row 1 left-padded
-    outputs, caches = {}, {}
-    for kernel in ("torch", "triton"):
-        cache = kvweave.make_cache(f"quant:bits={bits},group=8,residual=8,chunk=16,kernel={kernel}", model)
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=12,
-                min_new_tokens=12,
-                do_sample=False,
-                **{cache_kwarg(model): cache},
-            )
-        outputs[kernel], caches[kernel] = out[:, ids.shape[1] :], cache
+    spec = f"quant:bits={bits},group=8,residual=8,chunk=16,kernel={{}}"
+    outputs, caches = generate_per_backend(spec, DEVICE, 40, 12, padded_row=1, pad=5, seed=3)
     assert torch.equal(outputs["triton"], outputs["torch"])
     assert {layer.kernel_used for layer in caches["triton"].layers} == {"triton"}
     assert caches["triton"].nbytes() == caches["torch"].nbytes()

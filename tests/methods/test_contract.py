@@ -258,8 +258,10 @@ def test_shared_prefill_replay_equals_real_prefill(name, arch):
     with torch.no_grad():
         model(context, **{cache_kwarg(model): real})
     replayed = kvweave.make_cache(_method(name), model)
-    replay_prefill(replayed, record_prefill(model, context))
+    replay_prefill(replayed, record_prefill(model, context), context)
     assert replayed.nbytes() == real.nbytes()
+    if METHODS[name].reads_token_ids:  # handed over as the forward pass hands them
+        assert torch.equal(replayed.context.prompt_ids, real.context.prompt_ids)
     assert replayed.get_seq_length() == real.get_seq_length()
     assert torch.equal(_generate(model, full_ids, None, real), _generate(model, full_ids, None, replayed))
 

@@ -16,7 +16,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         model=args.model,
         context=args.context,
         trials=args.trials,
-        methods=_methods(args.methods) if args.methods else None,
+        methods=_methods(args.methods)
+        if args.methods is not None
+        else None,  # "" is refused, not the default
         out=args.out,
         dtype=args.dtype,
         max_new_tokens=args.max_new_tokens,

@@ -228,10 +228,7 @@ class SharedRecording:
             self.seconds, self.token = time.perf_counter() - start, logits[0].argmax(-1)
         _sync(self.device)
         start = time.perf_counter()
-        observe = getattr(cache, "observe_input_ids", None)
-        if observe is not None:  # what the forward pass would have handed over
-            observe(self.ids)
-        replay_prefill(cache, self.steps)
+        replay_prefill(cache, self.steps, self.ids)
         _sync(self.device)
         return self.token, self.seconds + time.perf_counter() - start  # type: ignore[return-value]
 

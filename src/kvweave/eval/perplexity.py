@@ -32,13 +32,11 @@ def window_nll(
     The scored tokens go through the cache in one forward pass, or with ``stepwise`` one token per forward
     pass, as ``generate()`` decodes: methods whose attention depends on the query chunk (DK-Cache picks its
     far pages once per forward pass, for all of the pass's queries) or that evict while decoding are then
-    scored as they behave in decoding. Both give the same NLL for ``full``. With ``tokenizer`` the cache is
-    given the prefix's ids (``cache.set_prompt``), as ``kvweave.generate`` and ``kvweave eval`` give them.
+    scored as they behave in decoding. Both give the same NLL for ``full``. ``tokenizer`` is what
+    content-aware methods read the ids' text with (default: the model's, ``make_cache``).
     """
     prefix, scored = torch.tensor([ids[:-target]]), torch.tensor([ids[-target - 1 :]])
-    cache = make_cache(method, model)
-    if tokenizer is not None:
-        cache.set_prompt([ids[: -target - 1]], tokenizer)
+    cache = make_cache(method, model, tokenizer=tokenizer)
     kw = cache_kwarg(model)
     start = time.perf_counter()
     with torch.no_grad():

@@ -102,11 +102,18 @@ def _recording_update(update: Any, store: dict[int, tuple[torch.Tensor, torch.Te
     return wrapped
 
 
-def replay_prefill(cache: KVCache, recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Fill a fresh ``cache`` from a recorded prefill, as a real forward pass would have."""
+def replay_prefill(
+    cache: KVCache,
+    recorded: list[LayerStep | tuple[torch.Tensor, torch.Tensor]],
+    input_ids: torch.Tensor | None = None,
+) -> None:
+    """Fill a fresh ``cache`` from a recorded prefill, as a real forward pass would have: with the prompt's
+    ``input_ids: [B, n]`` handed over first, as the forward pass hands them (content-aware methods read them)."""
     tokens = _prompt_tokens(recorded)
     if not cache.method.replays_prefill(cache.config, tokens):
         raise ValueError(f"{cache.method.name} changes prefill attention; it needs a real forward pass")
+    if input_ids is not None:
+        cache.observe_input_ids(input_ids)
     cache.replaying = True
     try:
         _replay_layers(cache, recorded)

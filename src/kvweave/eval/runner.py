@@ -209,7 +209,7 @@ class SharedPrefill:
             self.recorded[key] = (steps, time.perf_counter() - start, _recorded_bytes(steps))
         steps, seconds, _ = self.recorded[key]
         start = time.perf_counter()
-        replay_prefill(cache, steps)
+        replay_prefill(cache, steps, torch.tensor([prefill_ids]))
         return seconds + time.perf_counter() - start
 
     def make_room(self) -> None:
@@ -284,8 +284,7 @@ def run_trial(
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
     check_length(model, len(full_ids), config.beyond_trained)
     peak = PeakMemory(next(model.parameters()).device)
-    cache = make_cache(trial.method, model)
-    cache.set_prompt([prefill_ids], tokenizer)
+    cache = make_cache(trial.method, model, tokenizer=tokenizer)
     kw = cache_kwarg(model)
     replayed = shared is not None and cache.method.replays_prefill(model.config, len(prefill_ids))
     if shared is not None and replayed:

@@ -15,6 +15,7 @@ method's ``kernel`` option into the backend that runs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from types import ModuleType
 from typing import Any
@@ -42,8 +43,12 @@ class Kernel:
         return importlib.import_module(path)
 
 
+@functools.lru_cache(maxsize=64)
 def choose(kernel: Kernel, choice: str, device: torch.device) -> str:
-    """The backend (``cpp``, ``triton`` or ``torch``) that runs ``kernel`` for option ``choice`` on ``device``."""
+    """The backend (``cpp``, ``triton`` or ``torch``) that runs ``kernel`` for option ``choice`` on ``device``.
+
+    Remembered per arguments (layers ask every decode step; whether a kernel builds or triton runs does not
+    change within a process: the C++ loaders and ``TRITON_INTERPRET`` are read once)."""
     if choice not in BACKENDS:
         raise ValueError(f"{kernel.name}: kernel={choice!r}; allowed: {', '.join(BACKENDS)}")
     if choice == "torch":

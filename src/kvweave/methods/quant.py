@@ -199,14 +199,15 @@ def _triton_attention(
     """``query: [B, H, R, D]`` over ``blocks`` in the Triton kernel -> ``out [B, H, R, D]``, ``lse [B, H, R]``."""
     from kvweave.kernels import triton_quant
 
+    b = blocks
     return triton_quant.quant_attention(
         query,
-        blocks.key_codes,
-        blocks.key_scale,
-        blocks.key_min,
-        blocks.value_codes,
-        blocks.value_scale,
-        blocks.value_min,
+        b.key_codes,
+        b.key_scale,
+        b.key_min,
+        b.value_codes,
+        b.value_scale,
+        b.value_min,
         bits,
         scaling,
         visible,

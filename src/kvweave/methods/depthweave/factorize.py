@@ -133,7 +133,7 @@ def spend_budget(store: RowStore, chunk: Chunk, plan: Plan, novelty: torch.Tenso
     factor = plan.index(HI, MID, LO)
     if factor.numel() == 0:
         return plan
-    element = torch.empty(0, dtype=store.dtype).element_size()
+    element = store.dtype.itemsize
     index_bytes = 8 if method.keys == "pre_rope" else 4  # slot (+ position) per token
     widths = [method.bucket_widths(store.rank[s], store.total_rank(s))[1] for s in ("k", "v")]
     per_coordinate = sum(packed_bytes(COORD_GROUP, w, method.bits, COORD_GROUP, element) for w in widths)
@@ -216,7 +216,7 @@ def choose_ranks(
     factor = plan.index(HI, MID, LO)
     counts = plan.counts()
     bucket_sizes = (counts["hi"], counts["mid"], counts["lo"])
-    element = torch.empty(0, dtype=store.dtype).element_size()
+    element = store.dtype.itemsize
     exact_keys = [k.float() for k in chunk.keys]
     exact_values = [v.float() for v in chunk.values]
     keep = plan.kind != EVICTED
