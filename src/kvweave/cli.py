@@ -304,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
         "into every method whose prefill attention is exact)",
     )
     p.add_argument(
+        "--restart",
+        action="store_true",
+        help="measure every point again (default: with --out, points whose rows are already there are skipped, "
+        "so the same command resumes an interrupted run)",
+    )
+    p.add_argument(
         "--out",
         help="where rows are appended as each point finishes: a FILE.jsonl, or a folder (bench.jsonl + "
         "command.txt, which `kvweave report FOLDER` reads)",

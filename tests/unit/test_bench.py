@@ -111,3 +111,61 @@ def test_one_recorded_prefill_per_point_replays_into_every_exact_method(tiny, mo
     for method in methods:
         assert rows[True][method]["kv_bytes"] == rows[False][method]["kv_bytes"], method
         assert tokens[(True, method)] == tokens[(False, method)], method
+
+
+def test_a_rerun_resumes_after_the_points_already_written(tiny, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    argv = [
+        "bench",
+        "--methods",
+        "full,window:window=8,sinks=2",
+        "--shape",
+        "qwen2.5-0.5b",
+        "--context",
+        "40,48",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    lines = (out / "bench.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    # a crash cut the last point short: only its first row landed
+    (out / "bench.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    seen: list[int] = []
+    real = bench.prompt
+    monkeypatch.setattr(
+        bench, "prompt", lambda tok, vocab, n, b, dev: seen.append(n) or real(tok, vocab, n, b, dev)
+    )
+    assert main(argv) == 0
+    assert seen == [48], "the finished point is skipped, the cut one measured again"
+    rows = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert sorted((r["context"], r["method"]) for r in rows[3:]) == [
+        (48, "full"),
+        (48, "window:window=8,sinks=2"),
+    ]
+    seen.clear()
+    assert main(argv) == 0 and seen == []
+    assert "already has its rows" in capsys.readouterr().out
+    assert main([*argv, "--restart"]) == 0 and seen == [40, 48]
+
+
+def test_a_point_whose_bandwidth_moved_is_run_again_and_marked(tiny, monkeypatch):
+    readings = iter([10.0, 5.0, 10.0, 4.0])  # loaded, rerun, still loaded
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: next(readings))
+    config = bench.BenchConfig(
+        methods=["full"], contexts=[40], model=None, shape="qwen2.5-0.5b", steps=1, rounds=2, warmup=0
+    )
+    (row,) = bench.run_bench(config, lambda row: None)
+    assert row["loaded"] is True and row["reruns"] == 1 and len(row["round_ms"]) == 2
+    assert (row["bandwidth_start_gb_s"], row["bandwidth_end_gb_s"], row["bandwidth_gb_s"]) == (10.0, 4.0, 4.0)
+    assert row["round_min_ms"] <= row["ms_per_token"] <= row["round_max_ms"]
+    steady = iter([10.0, 9.0])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: next(steady))
+    (row,) = bench.run_bench(config, lambda row: None)
+    assert row["loaded"] is False and row["reruns"] == 0

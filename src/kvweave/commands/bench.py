@@ -36,6 +36,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.out.endswith(".jsonl"):
             with (out.parent / "command.txt").open("a") as handle:
                 handle.write(shlex.join(["kvweave", *sys.argv[1:]]) + "\n")
+    if out is not None and not args.restart:
+        config.skip = bench.done_points(out, config)
     emit = bench.write_rows(out) if out else (lambda row: None)
     rows: list[dict[str, Any]] = []
 
@@ -44,6 +46,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows.append(row)
         print(bench.format_row(row), flush=True)
 
+    if all((c, b) in config.skip for c in config.contexts for b in config.batches):
+        print(f"every point already has its rows in {out}; --restart measures them again")
+        return 0
     print(bench.HEADER)
     bench.run_bench(config, show, progress=lambda text: print(f"  [{text}]", file=sys.stderr, flush=True))
     if args.json:

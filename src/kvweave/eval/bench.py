@@ -16,9 +16,15 @@ the others (``prefill: "own"`` in their rows) run their own forward pass. Each r
   ``full``'s;
 - ``kv_bytes`` (tensors held, ``cache.nbytes()``), ``kv_read_bytes`` (what one decode step reads from the
   cache, ``cache.read_bytes()``: fewer than held where a method attends to part of what it holds);
-- ``weight_bytes``, ``bandwidth_gb_s`` (this machine's measured copy bandwidth) and the **bound**
+- ``weight_bytes``, ``bandwidth_gb_s`` (this machine's measured copy bandwidth, the lower of the two
+  measurements taken before and after the point's decode rounds: ``bandwidth_start_gb_s``,
+  ``bandwidth_end_gb_s``) and the **bound**
   ``(W + KV_read_full) / (W + KV_read)``: the most a method can gain when a step is bound by the bytes it
   reads (DESIGN §7); ``of_bound`` = speedup / bound;
+- ``loaded``: the copy bandwidth moved by more than 20 % across the point (another job took the memory bus);
+  such a point's rounds are run once more, and ``reruns`` says how often; a point still loaded after that keeps
+  ``loaded: true``, so its ratios are read with care;
+- ``round_min_ms`` / ``round_max_ms``: the spread of the round means around the median;
 - ``peak_bytes``: the CUDA allocator's peak for this method on a GPU; on a CPU the process's resident high-water
   mark (``peak_kind`` says which; the CPU figure is process-wide, so it only grows across methods).
 
@@ -87,6 +93,8 @@ class BenchConfig:
     rounds: int = 3
     warmup: int = 2
     share_prefill: bool = True  # one recorded exact prefill per point, replayed into every method that can
+    reruns: int = 1  # a loaded point's decode rounds are run again at most this often
+    skip: frozenset[tuple[int, int]] = frozenset()  # (context, batch) points already in the output rows
 
     def __post_init__(self) -> None:
         if self.shape is not None and self.shape not in SHAPES:
@@ -274,6 +282,39 @@ def _decode(model: Any, trial: _Trial, steps: int, device: str) -> float:
     return (time.perf_counter() - start) / steps
 
 
+LOADED = 0.2
+"""A point whose copy bandwidth moved by more than this fraction between its start and end is marked loaded."""
+
+
+def moved(start: float, end: float) -> bool:
+    """Whether the bandwidth moved by more than :data:`LOADED` across a point."""
+    return abs(end - start) > LOADED * max(start, end)
+
+
+def done_points(path: str | Path, config: BenchConfig) -> frozenset[tuple[int, int]]:
+    """``(context, batch)`` points of ``config`` whose rows for every method are already in the JSONL ``path``
+    (same model, device, dtype and spec version), so a rerun of the same command resumes after them."""
+    target = Path(path)
+    if not target.exists():
+        return frozenset()
+    specs = {"full", *config.methods}
+    seen: dict[tuple[int, int], set[str]] = {}
+    for line in target.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash: that point is measured again
+        if (
+            row.get("kind") == "bench"
+            and row.get("model") == config.label
+            and row.get("device") == config.device
+            and row.get("dtype") == config.dtype
+            and row.get("spec_version") == SPEC_VERSION
+        ):
+            seen.setdefault((int(row["context"]), int(row["batch"])), set()).add(str(row["method"]))
+    return frozenset(point for point, methods in seen.items() if specs <= methods)
+
+
 def run_bench(
     config: BenchConfig,
     emit: Callable[[dict[str, Any]], None],
@@ -290,13 +331,15 @@ def run_bench(
     environment_info = {**environment(), "device": config.device, "dtype": config.dtype}
     if config.device.startswith("cuda"):
         environment_info["gpu"] = torch.cuda.get_device_name()
-    bandwidth = copy_bandwidth(config.device)
     weights = weight_bytes(model)
     vocab = int(model.config.get_text_config().vocab_size)
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
         for context in config.contexts:
             for batch in config.batches:
+                if (context, batch) in config.skip:
+                    progress(f"context {context}, batch {batch}: rows already written, skipped")
+                    continue
                 ids = prompt(tokenizer, vocab, context, batch, config.device)
                 for spec in specs:  # untimed: the first forward of each method pays one-off costs
                     _prefill(model, spec, ids[:, : min(context, 256)], config.device)
@@ -316,10 +359,24 @@ def run_bench(
                 del shared
                 for trial in trials:  # warm-up steps, not timed
                     _decode(model, trial, config.warmup, config.device)
-                for index in range(config.rounds):
-                    progress(f"context {context}, batch {batch}: round {index + 1}/{config.rounds}")
+                reruns = 0
+                while True:
+                    start_bw = copy_bandwidth(config.device)
+                    for index in range(config.rounds):
+                        progress(f"context {context}, batch {batch}: round {index + 1}/{config.rounds}")
+                        for trial in trials:
+                            trial.rounds.append(_decode(model, trial, config.steps, config.device))
+                    end_bw = copy_bandwidth(config.device)
+                    if not moved(start_bw, end_bw) or reruns >= config.reruns:
+                        break
+                    reruns += 1
+                    progress(
+                        f"context {context}, batch {batch}: loaded (copy bandwidth {start_bw:.1f} -> "
+                        f"{end_bw:.1f} GB/s); its rounds run again"
+                    )
                     for trial in trials:
-                        trial.rounds.append(_decode(model, trial, config.steps, config.device))
+                        trial.rounds.clear()
+                bandwidth = (start_bw, end_bw, reruns)
                 point = _rows(config, trials, context, batch, weights, bandwidth, environment_info)
                 for row in point:
                     emit(row)
@@ -350,9 +407,11 @@ def _rows(
     context: int,
     batch: int,
     weights: int,
-    bandwidth: float,
+    measured: tuple[float, float, int],
     environment_info: dict[str, Any],
 ) -> list[dict[str, Any]]:
+    start_bw, end_bw, reruns = measured
+    bandwidth = min(start_bw, end_bw)
     full = trials[0]
     full_step = statistics.median(full.rounds)
     full_read = read_bytes(full.cache)
@@ -378,6 +437,8 @@ def _rows(
                 "ms_per_token": round(1000 * step, 3),
                 "tok_s": round(batch / step, 3),
                 "round_ms": [round(1000 * r, 3) for r in trial.rounds],
+                "round_min_ms": round(1000 * min(trial.rounds), 3),
+                "round_max_ms": round(1000 * max(trial.rounds), 3),
                 "speedup": round(speedup, 4),
                 "bound": round(bound, 4),
                 "of_bound": round(speedup / bound, 4),
@@ -391,6 +452,10 @@ def _rows(
                 "compression": round(trial.cache.full_kv_bytes(16) / held, 3) if held else None,
                 "weight_bytes": weights,
                 "bandwidth_gb_s": round(bandwidth, 2),
+                "bandwidth_start_gb_s": round(start_bw, 2),
+                "bandwidth_end_gb_s": round(end_bw, 2),
+                "loaded": moved(start_bw, end_bw),
+                "reruns": reruns,
                 "step_bound_ms": round(1000 * (weights + kv_read) / (bandwidth * 1e9), 3),
                 "peak_bytes": trial.peak[0],
                 "peak_kind": trial.peak[1],
