@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# GPU check for a lent CUDA machine (sized for one H200): the Triton kernel tests compiled for the GPU, then
-# `kvweave bench` decode speed on random llama-3.1-8b weights in bfloat16. Ends within 8 minutes.
+# GPU check for a lent CUDA machine (sized for one H200): the Triton kernel tests compiled for the GPU (float32,
+# float16, bfloat16) against their torch references, then `kvweave bench` decode speed of the Triton-wired methods
+# on random llama-3.1-8b weights in bfloat16. Ends within 8 minutes and writes one JSON.
 #
 # Usage (from anywhere; it cds to the repository root):   OUT=/some/dir benchmarks/gpu_check.sh
+# Dry run on a CPU (CI runs it: the same stages on a tiny random model, the kernels under TRITON_INTERPRET=1):
+#                                                          GPU_CHECK_DRY=1 OUT=/some/dir benchmarks/gpu_check.sh
 #
 # Needs no network and nothing outside the repository (no model download: --shape builds random weights):
-# `python` must already have torch (a CUDA build), triton and kvweave's dependencies (transformers, safetensors,
-# gguf, numpy, tqdm, accelerate). kvweave itself is installed with `pip install -e . --no-deps
-# --no-build-isolation` when it is not importable, or else put on PYTHONPATH from src/.
+# PYTHON (default: python) must already have torch (a CUDA build), triton and kvweave's dependencies
+# (transformers, safetensors, gguf, numpy, tqdm, accelerate). kvweave itself is installed with `pip install -e .
+# --no-deps --no-build-isolation` when it is not importable, or else put on PYTHONPATH from src/.
 #
 # Stages, each under `timeout`, all inside a deadline of GPU_CHECK_SECONDS (default 470 s) from the start:
 #   1. environment (nvidia-smi, versions)                          -> $OUT/env.log                 (<= 30 s)
 #   2. pip install -e . --no-deps if kvweave is not importable      -> $OUT/install.log             (<= 90 s)
-#   3. python -m pytest -q tests/kernels, TRITON_INTERPRET unset,
-#      so the kernels are compiled for the GPU (float32 + bf16/fp16) -> $OUT/kernel-tests.log, .xml  (<= 200 s)
-#   4. kvweave bench --shape llama-3.1-8b --device cuda --dtype bfloat16 --methods full,quant,dkcache,depthweave
-#      --steps 8 --rounds 3, one process per point, cheapest first: 32k x 1, 64k x 1, 32k x 8, 64k x 8
-#      (a point that runs out of memory or time does not cost the points before it; the bench holds every
-#      method's cache at once, so 64k x 8 may not fit)                -> $OUT/bench-h200.jsonl (one JSON row
-#      per method and point, appended as each point finishes), $OUT/bench-<context>-b<batch>.log
+#   3. pytest tests/kernels with TRITON_INTERPRET unset, so the kernels are compiled for the GPU (float32 and
+#      bf16/fp16 against their torch references; each method driven through generate() on both backends)
+#                                                                   -> $OUT/kernel-tests.log, .xml  (<= 200 s)
+#   4. kvweave bench --shape llama-3.1-8b --device cuda --dtype bfloat16 --steps 8 --rounds 5
+#      --methods full,quant:bits=4,dkcache,depthweave, one process per point: 64k x 1, then 16k x 8 (a point
+#      that runs out of memory or time does not cost the one before it; the bench holds every method's cache
+#      and one recorded prefill at once: under 70 GiB at 16k x 8 beside 16 GiB of weights)
+#                                                                   -> $OUT/bench.jsonl, $OUT/bench-<point>.log
+#   5. $OUT/gpu-check.json: every stage's line, the kernel tests' counts and every bench row in one file.
+#   GPU_CHECK_KERNEL_TESTS names other test paths for stage 3 (CI's dry run: the import test only, since the
+#   suite it runs in has run tests/kernels under the interpreter already).
 #   $OUT/summary.txt: one line per stage with its exit status and seconds (124: timed out).
 # Exit status: the kernel tests' status when they fail; else 0 when every bench point finished, 3 otherwise.
 set -uo pipefail
@@ -30,7 +37,9 @@ BUDGET="${GPU_CHECK_SECONDS:-470}"
 START=$SECONDS
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+PYTHON="${PYTHON:-python}"
+DRY="${GPU_CHECK_DRY:-0}"
+export PYTHON HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -55,7 +64,7 @@ stage() {
 
 stage environment 30 "$OUT/env.log" bash -c '
   nvidia-smi || echo "nvidia-smi: not available"
-  python - <<EOF
+  "$PYTHON" - <<EOF
 import platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "available", torch.cuda.is_available())
@@ -69,36 +78,69 @@ for name in ("triton", "transformers", "safetensors", "gguf", "accelerate", "kvw
         print(name, "MISSING")
 EOF'
 
-if ! python -c "import kvweave" >/dev/null 2>&1; then
-  if ! stage install 90 "$OUT/install.log" python -m pip install -e . --no-deps --no-build-isolation; then
+if ! "$PYTHON" -c "import kvweave" >/dev/null 2>&1; then
+  if ! stage install 90 "$OUT/install.log" "$PYTHON" -m pip install -e . --no-deps --no-build-isolation; then
     echo "install: failed; using PYTHONPATH=src" | tee -a "$SUMMARY"
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
 
-stage kernel-tests 200 "$OUT/kernel-tests.log" env -u TRITON_INTERPRET \
-  python -m pytest -q -p no:cacheprovider --junitxml="$OUT/kernel-tests.xml" tests/kernels
+if [ "$DRY" = 1 ]; then
+  # a CPU: the kernels run under Triton's interpreter (float32), the bench on a tiny random model
+  kernel_env=(env TRITON_INTERPRET=1)
+  bench_args=(--shape tiny --device cpu --dtype float32 --steps 2 --rounds 2 --warmup 1)
+  points=("256 1" "128 2")
+else
+  kernel_env=(env -u TRITON_INTERPRET)
+  bench_args=(--shape llama-3.1-8b --device cuda --dtype bfloat16 --steps 8 --rounds 5)
+  points=("64k 1" "16k 8")
+fi
+stage kernel-tests 200 "$OUT/kernel-tests.log" "${kernel_env[@]}" \
+  "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/kernel-tests.xml" ${GPU_CHECK_KERNEL_TESTS:-tests/kernels}
 tests=$?
 
 bench_failed=0
-points=("32k 1" "64k 1" "32k 8" "64k 8")
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
-  echo "bench: skipped (torch sees no CUDA device)" | tee -a "$SUMMARY"
+if [ "$DRY" != 1 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+  echo "bench: skipped (torch sees no CUDA device; GPU_CHECK_DRY=1 runs the CPU dry run)" | tee -a "$SUMMARY"
   points=()
   bench_failed=1
 fi
 for point in "${points[@]}"; do
   set -- $point
-  stage "bench $1 x $2" 400 "$OUT/bench-$1-b$2.log" python -c \
+  stage "bench $1 x $2" 300 "$OUT/bench-$1-b$2.log" "$PYTHON" -c \
     'import sys; from kvweave.cli import main; sys.exit(main(sys.argv[1:]))' \
-    bench --shape llama-3.1-8b --device cuda --dtype bfloat16 --context "$1" --batch "$2" \
-    --methods full,quant,dkcache,depthweave --steps 8 --rounds 3 --out "$OUT/bench-h200.jsonl" ||
+    bench "${bench_args[@]}" --context "$1" --batch "$2" \
+    --methods full,quant:bits=4,dkcache,depthweave --out "$OUT/bench.jsonl" ||
     bench_failed=1
 done
 
 rows=0
-if [ -f "$OUT/bench-h200.jsonl" ]; then rows=$(wc -l <"$OUT/bench-h200.jsonl"); fi
+if [ -f "$OUT/bench.jsonl" ]; then rows=$(wc -l <"$OUT/bench.jsonl"); fi
 echo "total: $((SECONDS - START)) s; bench rows: $rows" | tee -a "$SUMMARY"
+"$PYTHON" - "$OUT" "$DRY" "$tests" "$bench_failed" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, dry, tests, bench_failed = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
+counts = {}
+xml = out / "kernel-tests.xml"
+if xml.exists():
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+bench = out / "bench.jsonl"
+rows = [json.loads(line) for line in bench.read_text().splitlines() if line.strip()] if bench.exists() else []
+result = {
+    "kind": "gpu_check",
+    "dry_run": dry,
+    "stages": (out / "summary.txt").read_text().splitlines(),
+    "kernel_tests": {"exit": tests, **counts},
+    "bench_failed": bool(bench_failed),
+    "bench": rows,
+}
+(out / "gpu-check.json").write_text(json.dumps(result, indent=1) + "\n")
+print(f"{out / 'gpu-check.json'}: kernel tests {counts or 'not run'}, {len(rows)} bench rows")
+EOF
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi
 if [ "$bench_failed" -ne 0 ]; then exit 3; fi
 exit 0

@@ -286,7 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="qwen2.5-coder-0.5b", help="registry name or local folder (real weights)"
     )
-    p.add_argument("--shape", choices=["qwen2.5-0.5b", "llama-3.1-8b"], help="random weights of this shape")
+    p.add_argument(
+        "--shape",
+        choices=["qwen2.5-0.5b", "llama-3.1-8b", "tiny"],
+        help="random weights of this shape (tiny: no real architecture, for dry runs)",
+    )
     p.add_argument("--layers", type=_count, help="with --shape: this many decoder layers")
     p.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument(

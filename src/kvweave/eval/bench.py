@@ -73,8 +73,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=5e5,
         tie_word_embeddings=False,
     ),
+    "tiny": dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=131072,
+        rope_theta=5e5,
+        tie_word_embeddings=False,
+    ),
 }
-"""Architectures ``--shape`` builds with random weights (the published configs' shape numbers)."""
+"""Architectures ``--shape`` builds with random weights (the published configs' shape numbers; ``tiny`` is no
+real architecture: the GPU check's dry run on a CPU uses it, so the whole script runs in seconds)."""
 
 
 @dataclasses.dataclass
