@@ -5,7 +5,7 @@ one JSON file (``--out``) with its figures, the command and the versions; docs/v
 
     python benchmarks/vllm_bench.py tiny --out /tmp/tiny-qwen2
     python benchmarks/vllm_bench.py generate --model M --method quant:bits=8 --out run.json
-    python benchmarks/vllm_bench.py passkey --model M --method dkcache --context 8192 --trials 3 --out pk.json
+    python benchmarks/vllm_bench.py passkey --model M --method pages --context 8192 --trials 3 --out pk.json
     python benchmarks/vllm_bench.py serve-passkey --model M --method quant:bits=4 --context 4096 --out http.json
 
 ``--method none`` runs vLLM's own CPU backend. Set the thread limits before calling (docs/vllm.md).

@@ -98,7 +98,10 @@ def main() -> None:
         )
     )
     print("\n## http\n" + "\n".join(passkey(folder, "qwen-http-passkey-4k-quant4")))
-    print("\n## dk\n" + "\n".join(passkey(folder, "qwen-passkey-8k-dkcache")))
+    print(
+        "\n## pages (run under its former name dkcache)\n"
+        + "\n".join(passkey(folder, "qwen-passkey-8k-dkcache"))
+    )
 
 
 if __name__ == "__main__":

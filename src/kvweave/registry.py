@@ -67,6 +67,8 @@ class Method:
     exact_prefill: ClassVar[bool] = True  # prefill attention is exact (compression happens after it)
     bounded_memory: ClassVar[bool] = False  # entries held stay bounded however long decoding runs
     reads_token_ids: ClassVar[bool] = False  # reads the token ids of every forward pass (content rules)
+    # What the vLLM plugin (kvweave.vllm) serves of this method, in one line for `kvweave methods`.
+    vllm: ClassVar[str] = "not in the vLLM plugin (transformers paths only)"
     compresses: ClassVar[bool] = (
         True  # holds fewer bytes than the exact cache (False: exact or position-only)
     )
@@ -124,6 +126,7 @@ class Method:
                 )
             },
             "token_ids": TOKEN_IDS_NOTE if cls.reads_token_ids else None,
+            "vllm": cls.vllm,
             "budget": dict(cls.budget_options),
             "options": [
                 _describe_field(f, hints) for f in dataclasses.fields(cls) if not f.metadata.get("tuning")

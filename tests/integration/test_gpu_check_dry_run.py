@@ -21,7 +21,11 @@ def test_the_gpu_check_dry_run_writes_every_point_and_the_kernel_counts(tmp_path
         "GPU_CHECK_KERNEL_TESTS": "tests/kernels/test_kernel_imports.py",
     }
     done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=400
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "gpu-check.json").read_text())

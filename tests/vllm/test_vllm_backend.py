@@ -22,7 +22,7 @@ pytest.importorskip("vllm.v1.attention.backend", reason="vLLM is not installed (
 import torch  # noqa: E402
 
 from kvweave.ops.quantize import dequantize, quantize  # noqa: E402
-from kvweave.vllm.config import DkSlot, QuantSlot, VllmMethod  # noqa: E402
+from kvweave.vllm.config import PageSlot, QuantSlot, VllmMethod  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "vllm_bench.py"
@@ -65,12 +65,17 @@ def test_slot_bytes_give_the_expected_capacity_ratio() -> None:
     ratios = {bits: bf16 / QuantSlot.of(VllmMethod("quant", bits=bits), 64, 128).nbytes for bits in (8, 4, 2)}
     assert ratios[4] >= 3.5 and ratios[8] >= 1.85 and ratios[2] >= 6.0
     assert (
-        DkSlot.of(64, torch.bfloat16, 128).nbytes == bf16 + 4
+        PageSlot.of(64, torch.bfloat16, 128).nbytes == bf16 + 4
     )  # summaries cost 4 bytes a slot at 128 tokens
 
 
 def test_bad_method_specs_fail_with_one_line() -> None:
-    for spec, word in (("quant:bits=3", "bits"), ("h2o", "choose from"), ("quant:rank=2", "cannot read")):
+    for spec, word in (
+        ("quant:bits=3", "bits"),
+        ("h2o", "choose from"),
+        ("quant:rank=2", "cannot read"),
+        ("dkcache:top_blocks=8", "'pages'"),  # the old name of the page retrieval: not DK-Cache itself
+    ):
         with pytest.raises(ValueError, match=word) as error:
             VllmMethod.parse(spec)
         assert "\n" not in str(error.value) and "KVWEAVE_VLLM_METHOD" in str(error.value)
@@ -136,10 +141,10 @@ def test_retrieval_decode_reads_the_needle_block_and_matches_attention_over_it(
 ) -> None:
     """Blocks of 16 tokens; block 6 holds keys aligned with the query. The top-1 far block by the Quest bound
     must be block 6, and the output must equal exact attention over sinks + block 6 + the core."""
-    impl = _impl("dkcache:sink_blocks=1,core_blocks=2,top_blocks=1", monkeypatch)
+    impl = _impl("pages:sink_blocks=1,core_blocks=2,top_blocks=1", monkeypatch)
     torch.manual_seed(0)
     block, held, length = 16, 12, 12 * 16 - 5
-    slot = DkSlot.of(64, torch.float32, block)
+    slot = PageSlot.of(64, torch.float32, block)
     cache = torch.zeros(20, 2, block, slot.nbytes // 4)  # vLLM's page view, float32
     table = torch.randperm(20)[:held].int()
     keys, values = torch.randn(length, 2, 64), torch.randn(length, 2, 64)
@@ -198,10 +203,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """float32 (no bf16 logit ties): vLLM's backend, dkcache (exact storage), quant at 8 and 4 bits."""
+    """float32 (no bf16 logit ties): vLLM's backend, pages (exact storage), quant at 8 and 4 bits."""
     out = tmp_path_factory.mktemp("tiny-runs")
     runs = {}
-    for method in ("none", "dkcache", "quant:bits=8", "quant:bits=4"):
+    for method in ("none", "pages", "quant:bits=8", "quant:bits=4"):
         name = method.replace(":", "-").replace("=", "")
         runs[method] = bench(
             "generate",
@@ -218,7 +223,7 @@ def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 def test_tiny_exact_storage_matches_vllm_tokens(tiny_runs: dict[str, dict[str, Any]]) -> None:
-    assert tiny_runs["dkcache"]["tokens"] == tiny_runs["none"]["tokens"]
+    assert tiny_runs["pages"]["tokens"] == tiny_runs["none"]["tokens"]
 
 
 def test_tiny_quant8_greedy_tokens_differ_only_at_near_ties(tiny_runs: dict[str, dict[str, Any]]) -> None:
@@ -236,7 +241,7 @@ def test_tiny_kv_capacity_follows_the_slot_bytes(tiny_runs: dict[str, dict[str, 
     assert ratio >= 0.85 * 32 / bits
 
 
-@pytest.mark.parametrize("method", ["quant:bits=8", "dkcache"])
+@pytest.mark.parametrize("method", ["quant:bits=8", "pages"])
 def test_tiny_prefix_caching_gives_the_same_tokens(tiny: Path, tmp_path: Path, method: str) -> None:
     """~400-token prompts sent twice: the second pass reuses the first pass's full blocks (vLLM reports the
     cached tokens) and must give the same greedy tokens."""
@@ -348,13 +353,13 @@ def test_qwen_passkey_4k_over_http_scores_as_the_transformers_path(tmp_path: Pat
 @pytest.mark.skipif(
     not (DATA / "pg_essays").exists(), reason=f"no essays haystack under {DATA} (KVWEAVE_DATA)"
 )
-def test_qwen_dkcache_reads_a_quarter_of_the_blocks_at_8k(tmp_path: Path) -> None:
+def test_qwen_pages_reads_a_quarter_of_the_blocks_at_8k(tmp_path: Path) -> None:
     run = bench(
         "passkey",
         "--model",
         str(QWEN),
         "--method",
-        "dkcache",
+        "pages",
         "--context",
         "8192",
         "--trials",

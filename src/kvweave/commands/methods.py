@@ -24,6 +24,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
         print(f"{info['name']:<12} {info['summary']}  [{caps}]")
         for opt in info["options"]:
             print(f"    {opt['name'] + '=' + str(opt['default']):<28} {opt['type']:<14} {opt['help']}")
+        print(f"    vLLM: {info['vllm']}")
         if info["tuning"]:
             names = ", ".join(opt["name"] for opt in info["tuning"])
             print(

@@ -23,6 +23,7 @@ class Full(Method):
 
     exact = True
     uses_kvweave_attention = False
+    vllm = "vLLM's own paged cache is the exact reference there (KVWEAVE_VLLM_METHOD unset)"
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
         return DynamicLayer()

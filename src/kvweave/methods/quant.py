@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -59,6 +59,11 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class Quant(Method):
     """KIVI quantization: keys per channel, values per token, exact recent residual."""
+
+    vllm: ClassVar[str] = (
+        "served by the vLLM plugin as KVWEAVE_VLLM_METHOD=quant:bits=8|4|2 (keys per channel over 64-token "
+        "groups, values per token, no exact recent window beyond the open key group: docs/vllm.md)"
+    )
 
     bits: int = option(4, "bits per code: 8, 4 or 2")
     group: int = option(32, "tokens per key block and channels per value group")

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     serve = sub.add_parser("serve", help="start `vllm serve MODEL ...` with a kvweave method")
     serve.add_argument(
-        "--method", required=True, help="quant:bits=4 | quant:bits=8 | dkcache:top_blocks=8 | ..."
+        "--method", required=True, help="quant:bits=4 | quant:bits=8 | pages:top_blocks=8 | ..."
     )
     args, rest = parser.parse_known_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""The kvweave attention backend for vLLM (v1, 0.32): ``quant`` and ``dkcache`` over vLLM's paged KV cache.
+"""The kvweave attention backend for vLLM (v1, 0.32): ``quant`` and ``pages`` over vLLM's paged KV cache.
 
 Imported by vLLM only (through :data:`kvweave.vllm.BACKEND_PATH`). The method comes from ``KVWEAVE_VLLM_METHOD``
 (:class:`~kvweave.vllm.config.VllmMethod`). Storage is vLLM's: :meth:`KvweaveAttentionBackend.customize_spec`
@@ -8,14 +8,14 @@ read here as bytes.
 
 Storage (:mod:`kvweave.vllm.config`): ``quant`` writes values per token at once and keys through
 :class:`KeyResidual` — exact until their ``key_group`` of tokens is complete, then per channel into the page
-(KIVI); ``dkcache`` writes exact K/V and refreshes the written blocks' key summaries.
+(KIVI); ``pages`` writes exact K/V and refreshes the written blocks' key summaries.
 
 Attention is pure torch (gather the request's blocks, unpack/dequantize, SDPA), not a fused kernel:
 
 - new tokens (prefill chunks and decode steps) attend to themselves exactly, as given by the model, and to the
   request's earlier tokens as stored (dequantized for ``quant``, the unfinished key group exact) — kvweave's
   transformers path also runs the prompt's attention exact and quantizes as it stores;
-- ``dkcache`` decode steps read only the sink blocks, the newest ``core_blocks`` blocks and, per KV head, the
+- ``pages`` decode steps read only the sink blocks, the newest ``core_blocks`` blocks and, per KV head, the
   ``top_blocks`` far blocks with the largest Quest upper bound ``Σ_d max(q_d·min_d, q_d·max_d)`` (the maximum
   over the head's query group), from the per-block key summaries kept in the page tails. :data:`STATS` counts
   the blocks read against the blocks held.
@@ -47,14 +47,14 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvweave.vllm.config import ENV_METHOD, DkSlot, QuantSlot, VllmMethod
+from kvweave.vllm.config import ENV_METHOD, PageSlot, QuantSlot, VllmMethod
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
 QUERY_CHUNK = 1024  # query rows per SDPA call in prefill chunks that read cached tokens (bounds the mask)
 
 STATS: dict[str, int] = {"decode_rows": 0, "blocks_read": 0, "blocks_held": 0, "summary_blocks_read": 0}
 """Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
-blocks the requests held, and blocks whose summary was read (``dkcache``). ``KVWEAVE_VLLM_STATS=path``
+blocks the requests held, and blocks whose summary was read (``pages``). ``KVWEAVE_VLLM_STATS=path``
 writes them there as JSON every 256 decode calls and at the end of each call that crosses that count."""
 _STATS_LOCK = threading.Lock()
 _calls = 0
@@ -66,7 +66,7 @@ def current_method() -> VllmMethod:
 
 
 class KvweaveAttentionBackend(AttentionBackend):
-    """vLLM attention backend: kvweave's ``quant`` or ``dkcache`` over vLLM's paged cache."""
+    """vLLM attention backend: kvweave's ``quant`` or ``pages`` over vLLM's paged cache."""
 
     forward_includes_kv_cache_update: bool = False  # vLLM calls do_kv_cache_update first
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
@@ -173,18 +173,18 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         self.group_size = num_heads // self.num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.method = current_method()
-        self.layout: QuantSlot | DkSlot | None = None  # built on first use (needs the dtype and block size)
+        self.layout: QuantSlot | PageSlot | None = None  # built on first use (needs the dtype and block size)
         self.residual: KeyResidual | None = None  # quant: exact keys of the key groups not yet quantized
         self.max_requests = _max_requests()
 
     # ----------------------------------------------------------------------------------------- layout
-    def _layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> QuantSlot | DkSlot:
+    def _layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> QuantSlot | PageSlot:
         if self.layout is None:
             block_size, nbytes = kv_cache.shape[2], kv_cache.shape[3] * kv_cache.element_size()
             if self.method.name == "quant":
                 self.layout = QuantSlot.of(self.method, self.head_size, block_size)
             else:
-                self.layout = DkSlot.of(self.head_size, dtype, block_size)
+                self.layout = PageSlot.of(self.head_size, dtype, block_size)
             if self.layout.nbytes != nbytes:
                 raise ValueError(
                     f"kvweave vLLM backend: the cache has {nbytes} bytes per slot but {self.method.spec()} needs "
@@ -213,7 +213,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             return
         block_size = pages.shape[2]
         blocks, offsets = slots // block_size, slots % block_size
-        if isinstance(layout, DkSlot):
+        if isinstance(layout, PageSlot):
             pages[blocks, :, offsets, : layout.kv_bytes] = layout.pack(key, value)
             self._update_summaries(pages, layout, blocks, offsets)
             return
@@ -261,7 +261,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
 
     @staticmethod
     def _update_summaries(
-        pages: torch.Tensor, layout: DkSlot, blocks: torch.Tensor, offsets: torch.Tensor
+        pages: torch.Tensor, layout: PageSlot, blocks: torch.Tensor, offsets: torch.Tensor
     ) -> None:
         """Recompute the key (min, max) of every block just written from its stored keys up to the last slot
         written (a block's slots are written in order)."""
@@ -301,7 +301,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 continue
             q, k_new, v_new = query[start:end], key[start:end], value[start:end]
             table = meta.block_table[row]
-            if end - start == 1 and isinstance(layout, DkSlot):
+            if end - start == 1 and isinstance(layout, PageSlot):
                 out = self._retrieval_decode(q, pages, layout, table, seq_len)
                 decode_calls += 1
             else:
@@ -318,7 +318,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         pages: torch.Tensor,
-        layout: QuantSlot | DkSlot,
+        layout: QuantSlot | PageSlot,
         table: torch.Tensor,
         seq_len: int,
     ) -> torch.Tensor:
@@ -359,11 +359,11 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         return torch.cat(pieces, dim=1).transpose(0, 1)
 
     def _stored(
-        self, pages: torch.Tensor, layout: QuantSlot | DkSlot, ids: torch.Tensor, cached: int, seq_len: int
+        self, pages: torch.Tensor, layout: QuantSlot | PageSlot, ids: torch.Tensor, cached: int, seq_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``cached`` tokens of a request as stored: ``keys, values: [H, cached, D]``."""
         blocks = pages[ids]  # [held, H, block_size, C]
-        if isinstance(layout, DkSlot):
+        if isinstance(layout, PageSlot):
             keys, values = layout.unpack(blocks.transpose(0, 1).flatten(1, 2)[:, :cached])
             return keys, values
         keys, values = (x.transpose(0, 1).flatten(1, 2)[:, :cached] for x in layout.unpack(blocks))
@@ -379,7 +379,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         return keys, values
 
     def _retrieval_decode(
-        self, q: torch.Tensor, pages: torch.Tensor, layout: DkSlot, table: torch.Tensor, seq_len: int
+        self, q: torch.Tensor, pages: torch.Tensor, layout: PageSlot, table: torch.Tensor, seq_len: int
     ) -> torch.Tensor:
         """One decode row ``q: [1, Hq, D]`` over the sink, core and top-k far blocks of each KV head."""
         method, heads, block_size = self.method, self.num_kv_heads, pages.shape[2]

@@ -7,7 +7,7 @@ Torch only (no vLLM import), so the layouts are tested against kvweave's own qua
   block (the groups' scales in a per-block header spread over the slots' tails), values per token. A per-channel
   scale needs its whole group, and vLLM writes a block slot by slot as decode proceeds, so a group's exact keys
   wait outside the page until its last token arrives (docs/vllm.md, "quant").
-- ``dkcache`` (DK-Cache's page retrieval): each slot holds the exact key and value in the model's dtype, plus a
+- ``pages`` (DK-Cache's far-tier page retrieval alone, Quest's bound; named ``dkcache`` before): each slot holds the exact key and value in the model's dtype, plus a
   small tail; the tails of a block's ``block_size`` slots, read together, hold that block's per-channel key
   minimum and maximum in the model's dtype (the Quest summary, :mod:`kvweave.ops.pages`). The summaries live in
   vLLM's own pages, so the allocator accounts for them.
@@ -24,7 +24,7 @@ import torch
 from kvweave.ops.quantize import pack_codes, quantize, unpack_codes
 
 ENV_METHOD = "KVWEAVE_VLLM_METHOD"
-METHODS = ("quant", "dkcache")
+METHODS = ("quant", "pages")
 _SCALE_BYTES = 2  # float16 scale and minimum
 _ALIGN = 4  # slot bytes stay a multiple of 4 so float32 models can view the page too
 
@@ -32,7 +32,7 @@ _ALIGN = 4  # slot bytes stay a multiple of 4 so float32 models can view the pag
 @dataclasses.dataclass(frozen=True)
 class VllmMethod:
     """A kvweave method for vLLM: ``quant`` (``bits``; ``key_group``: tokens per per-channel key scale;
-    ``group``: channels per value scale, 0 = the whole head) or ``dkcache`` (``sink_blocks``, ``core_blocks``,
+    ``group``: channels per value scale, 0 = the whole head) or ``pages`` (``sink_blocks``, ``core_blocks``,
     ``top_blocks``)."""
 
     name: str
@@ -44,6 +44,11 @@ class VllmMethod:
     top_blocks: int = 8
 
     def __post_init__(self) -> None:
+        if self.name == "dkcache":
+            raise ValueError(
+                f"{ENV_METHOD}: vLLM does not serve dkcache (its tiers, key decoupling and compensation are not "
+                "ported); its far-tier page retrieval alone is the method 'pages', e.g. pages:top_blocks=8"
+            )
         if self.name not in METHODS:
             raise ValueError(
                 f"{ENV_METHOD}: method {self.name!r} is not available in vLLM; choose from {METHODS}"
@@ -61,7 +66,7 @@ class VllmMethod:
         for option in ("sink_blocks", "core_blocks", "top_blocks"):
             if getattr(self, option) < (1 if option == "core_blocks" else 0):
                 raise ValueError(
-                    f"{ENV_METHOD}: dkcache option {option}={getattr(self, option)} is out of range "
+                    f"{ENV_METHOD}: pages option {option}={getattr(self, option)} is out of range "
                     f"(core_blocks >= 1, the others >= 0)"
                 )
 
@@ -74,13 +79,13 @@ class VllmMethod:
         """The canonical spec string (the options that apply to this method)."""
         if self.name == "quant":
             return f"quant:bits={self.bits},group={self.group},key_group={self.key_group}"
-        return f"dkcache:sink_blocks={self.sink_blocks},core_blocks={self.core_blocks},top_blocks={self.top_blocks}"
+        return f"pages:sink_blocks={self.sink_blocks},core_blocks={self.core_blocks},top_blocks={self.top_blocks}"
 
     def slot_bytes(self, head_size: int, dtype: torch.dtype, block_size: int) -> int:
         """Bytes of one KV slot (what vLLM's ``AttentionSpec.state_content_bytes`` declares)."""
         if self.name == "quant":
             return QuantSlot.of(self, head_size, block_size).nbytes
-        return DkSlot.of(head_size, dtype, block_size).nbytes
+        return PageSlot.of(head_size, dtype, block_size).nbytes
 
 
 @functools.lru_cache(maxsize=32)
@@ -206,11 +211,11 @@ class QuantSlot:
         return keys, values
 
 
-# ----------------------------------------------------------------------------------------------- dkcache
+# ----------------------------------------------------------------------------------------------- pages
 
 
 @dataclasses.dataclass(frozen=True)
-class DkSlot:
+class PageSlot:
     """``[key | value | summary tail]`` (bytes): exact key and value in ``dtype``; the tails of a block's
     slots, concatenated in slot order, start with the block's key summary ``[2, D]`` (min, max) in ``dtype``."""
 
@@ -219,7 +224,7 @@ class DkSlot:
     block_size: int
 
     @classmethod
-    def of(cls, head_size: int, dtype: torch.dtype, block_size: int) -> DkSlot:
+    def of(cls, head_size: int, dtype: torch.dtype, block_size: int) -> PageSlot:
         return cls(head_size, dtype, block_size)
 
     @property

@@ -71,7 +71,7 @@ computations), :mod:`.layer` (:class:`DKCacheLayer`); the options are :class:`DK
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvweave.kernels.registry import BACKENDS
 from kvweave.methods.dkcache.attention import attention_probs, flash_remapped_prefill, remapped_attention
@@ -132,6 +132,11 @@ INT4_REFUSED = (
 @dataclasses.dataclass
 class DKCache(Method):
     """DK-Cache: core/steady/far tiers, steady-key decoupling, paged far retrieval, RoPE angle compensation."""
+
+    vllm: ClassVar[str] = (
+        "not served whole by the vLLM plugin: its far-tier page retrieval alone is the plugin's 'pages' "
+        "method (no tiers, decoupling or compensation: they rewrite keys vLLM has already stored)"
+    )
 
     core: int | None = option(None, "most recent tokens kept exact (default: trained context / 16)")
     steady: int | None = option(
