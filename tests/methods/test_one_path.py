@@ -41,7 +41,7 @@ class Vocab:
 
 def _spec(name: str):
     options = dict(METHODS[name].test_options)
-    if "protect" in METHODS[name].__dataclass_fields__:
+    if METHODS[name].reads_token_ids and "protect" in METHODS[name].__dataclass_fields__:
         options["protect"] = 0.2  # enough exact rows at this length that the prompt's content decides them
     return parse_method(name, **options)
 

@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -252,7 +252,7 @@ class DepthWeave(Method):
         "decode_tokens": 8,
         "page": 4,
     }
-    invalid_options = (
+    invalid_options: ClassVar[tuple[tuple[dict[str, Any], str], ...]] = (
         ({"group": 3}, "group"),
         ({"keys": "middle"}, "keys"),
         ({"compression": 0.5}, "compression"),
@@ -329,6 +329,13 @@ class DepthWeave(Method):
             mid,
             max(1, min(mid, int(rank / self.spread))),
         )
+
+    def fixed_ranks(
+        self, store: RowStore, plan: Plan, caps: dict[str, int], budget: Budget
+    ) -> dict[str, int]:
+        """``r_K, r_V`` of a prefill factorization without probes: the fixed ``rank`` (xKV sizes them from the
+        byte budget instead)."""
+        return {s: min(self.rank, caps[s]) for s in ("k", "v")}
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of everything stored at 16 bits (``model``: the model's own, also when it is float32)."""

@@ -8,6 +8,7 @@ through ``kvweave.ops.quantize``), which the probes compare with the exact chunk
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,7 +70,7 @@ def initialize(store: RowStore, chunk: Chunk, probe: Probe | None, cos_sin: Any,
     if method.probes and probe is not None:
         ranks = choose_ranks(store, chunk, plan, bases, probe, cos_sin, budget)
     else:
-        ranks = {s: min(method.rank, caps[s]) for s in ("k", "v")}
+        ranks = method.fixed_ranks(store, plan, caps, budget)
     for side in ("k", "v"):
         store.rank[side] = ranks[side]
         store.set_basis(side, bases[side][:, : method.bucket_widths(ranks[side], caps[side])[0]].T)
@@ -202,6 +203,27 @@ def assemble(
     return keys, values
 
 
+def available_bytes(store: RowStore, plan: Plan, budget: Budget) -> float:
+    """What ``compression`` leaves a row for coordinates and coefficients once the recent buffer, the exact
+    rows, the token indices and the page summaries are paid for."""
+    method, counts = store.method, plan.counts()
+    factorized = int(plan.index(HI, MID, LO).numel())
+    fixed = budget.recent_bytes + store.exact_bytes_estimate(counts["exact"], store.dtype.itemsize)
+    fixed += factorized * (8 if method.keys == "pre_rope" else 4) + counts["exact"] * 4
+    fixed += bounds_bytes(method, factorized, len(store.members), store.heads, store.dim)
+    return budget.full_16bit / (method.compression or 8.0) - fixed
+
+
+def side_cost(store: RowStore, plan: Plan, caps: dict[str, int]) -> Callable[[str, int], int]:
+    """``(side, rank) -> bytes`` of that side's coordinates and coefficients for ``plan``'s buckets."""
+    counts = plan.counts()
+    sizes = (counts["hi"], counts["mid"], counts["lo"])
+    element = store.dtype.itemsize
+    return lambda side, rank: side_bytes(
+        store.method, sizes, caps[side], rank, len(store.members), store.width, element
+    )
+
+
 def choose_ranks(
     store: RowStore,
     chunk: Chunk,
@@ -214,16 +236,12 @@ def choose_ranks(
     """``r_K, r_V`` from probe errors: cheapest meeting ``target_error``, or best within the budget."""
     method = store.method
     factor = plan.index(HI, MID, LO)
-    counts = plan.counts()
-    bucket_sizes = (counts["hi"], counts["mid"], counts["lo"])
-    element = store.dtype.itemsize
     exact_keys = [k.float() for k in chunk.keys]
     exact_values = [v.float() for v in chunk.values]
     keep = plan.kind != EVICTED
     caps = {s: bases[s].shape[1] for s in ("k", "v")}
 
-    def cost(side: str, rank: int) -> int:
-        return side_bytes(method, bucket_sizes, caps[side], rank, len(store.members), store.width, element)
+    cost = side_cost(store, plan, caps)
 
     def side_error(side: str, rank: int) -> float:
         basis = bases[side]
@@ -246,11 +264,7 @@ def choose_ranks(
     if method.target_error is not None:
         ranks, errors = ranks_for_error(caps, cost, side_error, method.target_error)
     else:  # byte budget: what the row may spend on coordinates and coefficients
-        fixed = budget.recent_bytes + store.exact_bytes_estimate(counts["exact"], element)
-        fixed += (int(factor.numel()) * (8 if method.keys == "pre_rope" else 4)) + counts["exact"] * 4
-        fixed += bounds_bytes(method, int(factor.numel()), len(store.members), store.heads, store.dim)
-        available = budget.full_16bit / (method.compression or 8.0) - fixed
-        ranks, errors = ranks_within(caps, cost, side_error, available)
+        ranks, errors = ranks_within(caps, cost, side_error, available_bytes(store, plan, budget))
     store.log["probe_error_k"] = interpolate(errors["k"], ranks["k"])
     store.log["probe_error_v"] = interpolate(errors["v"], ranks["v"])
     return ranks
