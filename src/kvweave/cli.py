@@ -189,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         "gives new samples at the same depths (default 0)",
     )
     p.add_argument("--max-new-tokens", type=_length, help="override the task's answer length")
+    p.add_argument(
+        "--generated",
+        type=_non_negative,
+        default=0,
+        help="long generation: N tokens of prose fed one decode step at a time between the document and the "
+        "question, so the facts age in the cache (and pass through decode-time compression) while N tokens "
+        "arrive; rows report the task as '<task> +N gen' (default 0)",
+    )
     p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
     p.add_argument(
         "--no-shared-prefill",

@@ -93,3 +93,47 @@ def test_every_path_gives_the_same_answer_and_bytes(smollm, method):
         )
     assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == result.text
     assert cache.nbytes() == result.cache.nbytes()
+
+
+def test_long_generation_feeds_the_filler_through_decode_steps(smollm, tmp_path):
+    """``--generated N``: N prose tokens between the document and the question, one decode step each. For the
+    exact cache that is the same computation as having them in the prompt, so ``full`` answers as it would
+    with the filler prefilled; every method's rows say how much was fed."""
+    from kvweave.eval import runner
+
+    model, tokenizer = smollm
+    config = runner.EvalConfig(
+        model="smollm2-135m",
+        tasks=["passkey"],
+        contexts=[256],
+        methods=["full", "quant:residual=32"],
+        trials=1,
+        generated=48,
+        max_new_tokens=6,
+    )
+    rows = runner.run(config, out_dir=tmp_path, progress=False, model_and_tokenizer=smollm)
+    assert {r["generated"] for r in rows} == {48} and all(r["generated_s"] > 0 for r in rows)
+    assert {s["task"] for s in runner.summarize(rows)} == {"passkey +48 gen"}
+    plain = runner.run(
+        runner.EvalConfig(**{**config.__dict__, "generated": 0}),
+        out_dir=tmp_path / "plain",
+        progress=False,
+        model_and_tokenizer=smollm,
+    )
+    by = {r["method"]: r for r in rows}
+    assert by["full"]["prompt_tokens"] == plain[0]["prompt_tokens"] + 48
+    # the same prompt, with the filler prefilled instead of fed one token at a time: the same greedy answer
+    sample = tasks.make_sample("passkey", tokenizer, 256, depth=rows[0]["depth"], seed=rows[0]["seed"])
+    prefix, full_ids = runner.build_prompt(tokenizer, sample, False)
+    filler = runner.generated_filler(tokenizer, 48, rows[0]["seed"])
+    ids = torch.tensor([prefix + filler + full_ids[len(prefix) :]])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        do_sample=False,
+        **{cache_kwarg(model): kvweave.make_cache("full", model)},
+    )
+    assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == by["full"]["prediction"]
+    with pytest.raises(ValueError, match="choose one"):
+        runner.EvalConfig(**{**config.__dict__, "question_aware": True})

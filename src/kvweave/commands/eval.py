@@ -26,6 +26,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         beyond_trained=args.beyond_trained,
         max_new_tokens=args.max_new_tokens,
         tp=args.tp,
+        generated=args.generated,
     )
     from kvweave.distributed import is_main_process
     from kvweave.launch import launch, needs_launch

@@ -57,6 +57,9 @@ class EvalConfig:
     max_new_tokens: int | None = None
     shared_prefill: bool = True
     tp: int = 1  # tensor-parallel ranks the model is sharded over (run under torchrun with as many processes)
+    # long generation: tokens of filler fed one decode step at a time between the document and the question, so
+    # every fact's KV ages (and passes through decode-time compression) while that many tokens arrive
+    generated: int = 0
     order: str = (
         "sample"  # "sample": every method on one sample, then the next; "method": one method at a time
     )
@@ -68,6 +71,13 @@ class EvalConfig:
             raise ValueError(f"--trials must be at least 1, got {self.trials}")
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1, got {self.tp}")
+        if self.generated < 0:
+            raise ValueError(f"--generated must be 0 or more tokens, got {self.generated}")
+        if self.generated and self.question_aware:
+            raise ValueError(
+                "--generated feeds tokens between the document and the question, and --question-aware puts the "
+                "question before compression: choose one"
+            )
         for task in self.tasks:
             if task not in task_lib.TASKS:
                 raise ValueError(f"unknown task {task!r}; available: {', '.join(task_lib.TASKS)}")
@@ -108,10 +118,12 @@ class Trial:
     trial: int
     depth: float
     seed: int
+    generated: int = 0
 
     def key(self) -> str:
         """Identity of the row, used to skip finished work on rerun."""
-        return f"{self.method}|{self.task}|{self.context}|{self.trial}"
+        tail = f"|gen{self.generated}" if self.generated else ""
+        return f"{self.method}|{self.task}|{self.context}|{self.trial}{tail}"
 
 
 def plan(config: EvalConfig) -> list[Trial]:
@@ -131,7 +143,7 @@ def plan(config: EvalConfig) -> list[Trial]:
         else [(sample, spec) for sample in samples for spec in specs]
     )
     return [
-        Trial(task, context, spec, trial, depth_list[trial], config.seed * 1000 + trial)
+        Trial(task, context, spec, trial, depth_list[trial], config.seed * 1000 + trial, config.generated)
         for (task, context, trial), spec in pairs
     ]
 
@@ -155,6 +167,37 @@ def build_prompt(
     if question_aware:
         return full[:-1], full
     return prefix_ids, full
+
+
+def generated_filler(tokenizer: Any, tokens: int, seed: int) -> list[int]:
+    """``tokens`` ids of continuous prose (CPython's documentation, from a seeded offset), the stand-in for text
+    a model generates: what a long-generation trial feeds one decode step at a time before the question."""
+    if tokens == 0:
+        return []
+    from kvweave.eval.tasks import load_haystack
+
+    ids: list[int] = tokenizer.encode("\n\n" + load_haystack("pydoc").text, add_special_tokens=False)
+    if not ids:
+        raise ValueError("the pydoc haystack is empty on this Python; --generated has no text to feed")
+    while len(ids) < 2 * tokens + 1:
+        ids = ids + ids
+    start = (seed * 7919) % (len(ids) - tokens)
+    return ids[start : start + tokens]
+
+
+def feed_generated(model: Any, cache: Any, filler: list[int], first: int) -> float:
+    """Teacher-force ``filler`` through ``cache`` one token per forward pass (decode steps, not a prefill);
+    returns the seconds it took. ``first`` is the position of the first filler token."""
+    kw = cache_kwarg(model)
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for index, token in enumerate(filler):
+            position = torch.tensor([[first + index]], device=device)
+            model(
+                torch.tensor([[token]], device=device), position_ids=position, use_cache=True, **{kw: cache}
+            )
+    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------------------- one trial
@@ -282,6 +325,8 @@ def run_trial(
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
+    filler = generated_filler(tokenizer, trial.generated, trial.seed)
+    full_ids = prefill_ids + filler + full_ids[len(prefill_ids) :]
     check_length(model, len(full_ids), config.beyond_trained)
     peak = PeakMemory(next(model.parameters()).device)
     cache = make_cache(trial.method, model, tokenizer=tokenizer)
@@ -296,6 +341,7 @@ def run_trial(
         prefill_s = time.perf_counter() - start
     # the whole cache: under tensor parallelism summed over the ranks
     held_after_prefill = summed_nbytes(cache)
+    generated_s = feed_generated(model, cache, filler, len(prefill_ids)) if filler else 0.0
 
     spec = task_lib.TASKS[trial.task]
     max_new = config.max_new_tokens or spec.max_new_tokens
@@ -345,6 +391,8 @@ def run_trial(
         "full_kv_bytes": full_bytes,
         "compression": full_bytes / held if held else None,
         "prefill_s": round(prefill_s, 4),
+        "generated": trial.generated,
+        "generated_s": round(generated_s, 3),
         "shared_prefill": replayed,
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
@@ -434,6 +482,7 @@ def sample_mismatch(row: dict[str, Any], trial: Trial, config: EvalConfig) -> li
         "seed": trial.seed,
         "question_aware": config.question_aware,
         "max_new_tokens": config.max_new_tokens or spec.max_new_tokens,
+        "generated": config.generated,
     }
     if row.get("haystack") in spec.haystacks:  # a filler the user chooses, not one the task builds
         expected["haystack"] = config.haystack_for(trial.task) or spec.default_haystack

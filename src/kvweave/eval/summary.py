@@ -10,8 +10,9 @@ from typing import Any
 def summarize(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (model, method, task, context): accuracy, n, bytes, compression, speed."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        groups[(row.get("model"), row["method"], row["task"], row["context"])].append(row)
+    for row in rows:  # a long-generation row is its own task: "<task> +<N> gen"
+        task = f"{row['task']} +{row['generated']} gen" if row.get("generated") else row["task"]
+        groups[(row.get("model"), row["method"], task, row["context"])].append(row)
     summary = []
     for (model, method, task, context), members in groups.items():
         speeds = [r["decode_tok_s"] for r in members if r.get("decode_tok_s")]
