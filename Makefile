@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup models test-models test check lint demo browser vllm-test vllm-test-quick
+.PHONY: setup models test-models test check lint demo browser vllm-test vllm-test-quick vllm-bench
 
 $(BIN)/kvweave:
 	$(PY) -m venv $(VENV)
@@ -49,3 +49,12 @@ vllm-test:  ## kvweave's vLLM plugin (tests/vllm) in its own venv .venv-vllm (ab
 
 vllm-test-quick:  ## what CI runs of the vLLM tests: the tiny-model engine tests, not the real-model/HTTP ones (~4 min + install)
 	@$(MAKE) --no-print-directory vllm-test VLLM_TEST_ARGS='-m "not integration"'
+
+VLLM_BENCH_ARGS ?= --methods none,quant:bits=4,quant:bits=2,pages --concurrency 1,4,16,32 --context 2048
+vllm-bench: models  ## vLLM under load: requests/s, TTFT and TPOT per method and concurrency on the real server (hours on 2 CPUs; resumes)
+	@bash scripts/vllm_env.sh
+	@if .venv-vllm/bin/python -c "import vllm, kvweave.vllm, openai" >/dev/null 2>&1; then \
+	  HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-1} \
+	  .venv-vllm/bin/python benchmarks/vllm_load.py --model $$HOME/.cache/kvweave/models/qwen2.5-coder-0.5b \
+	    $(VLLM_BENCH_ARGS) --out $${VLLM_BENCH_OUT:-runs/vllm-load}; \
+	else echo "vllm-bench: skipped (no working .venv-vllm; see the vllm-env line above)"; fi

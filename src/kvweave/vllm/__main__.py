@@ -27,16 +27,21 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     serve = sub.add_parser("serve", help="start `vllm serve MODEL ...` with a kvweave method")
     serve.add_argument(
-        "--method", required=True, help="quant:bits=4 | quant:bits=8 | pages:top_blocks=8 | ..."
+        "--method",
+        required=True,
+        help="quant:bits=4 | quant:bits=8 | pages:top_blocks=8 | ... | none (vLLM's own cache, for comparisons)",
     )
     args, rest = parser.parse_known_args(argv)
-    try:
-        method = VllmMethod.parse(args.method)
-    except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
     if not rest:
         parser.exit(2, f"{parser.prog}: error: name the model to serve: serve --method {args.method} MODEL\n")
-    os.environ[ENV_METHOD] = method.spec()
+    if args.method == "none":
+        os.environ.pop(ENV_METHOD, None)
+    else:
+        try:
+            method = VllmMethod.parse(args.method)
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        os.environ[ENV_METHOD] = method.spec()
     try:
         from vllm.entrypoints.launchers.api_server.entry import main as serve_main
     except ImportError:
