@@ -16,6 +16,8 @@ from kvweave.eval import bench
 @pytest.fixture
 def tiny(monkeypatch):
     monkeypatch.setattr(bench, "load_bench_model", lambda config: (tiny_model("llama"), None))
+    # a steady bus: a loaded machine would rerun a point's rounds (tested on its own below)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 10.0)
 
 
 def test_rows_per_point_with_full_as_reference(tiny, tmp_path):

@@ -382,7 +382,12 @@ class QuantLayer(CompressedLayer):
         self.seen += q_len
         if first == 0:
             self.pad_count = prompt_padding(attention_mask, self.rows, self.seen, self.device)
-            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            if (
+                self.cache.replaying
+            ):  # shared-prefill replay: the output is known already, only the store matters
+                out = query.new_empty(0)
+            else:
+                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
             self.drop_padding(self.pad_count)
         else:
             out = self.chunked_attention(query, attention_mask, first, kwargs.get("scaling"))

@@ -97,7 +97,12 @@ class WindowLayer(CompressedLayer):
         self.seen += q_len
         if first == 0:  # prefill: exact attention at the model's own positions
             self.record_padding(attention_mask)
-            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            if (
+                self.cache.replaying
+            ):  # shared-prefill replay: the output is known already, only the store matters
+                out = query.new_empty(0)
+            else:
+                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
         else:
             rotary = self.cache.rotary_for(self.layer_idx)
             positions = self.cache_positions()  # [B, H, T]

@@ -228,7 +228,14 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         prefill with ``path="fast"`` on an unpadded prompt, else in query chunks)."""
         b, hq, n, _ = query.shape
         if groups is None:
-            out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            replaying = (
+                self.cache.replaying
+            )  # shared-prefill replay: the output is known, only the store matters
+            out = (
+                query.new_empty(0)
+                if replaying
+                else sdpa_attention(module, query, key, value, attention_mask, **kwargs)[0]
+            )
             if self.method.retrieve == "entropy":  # the first decode step reads the prompt's last query
                 last = prefill_visible(attention_mask, self.rows, n, n - 1, n, self.device)
                 _, self.last_entropy = remapped_attention(
