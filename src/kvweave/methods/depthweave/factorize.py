@@ -185,7 +185,10 @@ def assemble(
     bits = store.method.residual_bits
     keys, values = [], []
     for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
-        k, v = k.float().clone(), v.float().clone()
+        # a side that is neither rebuilt nor rounded stays the exact tensor (no copy)
+        rounded = exact.numel() and bits != 16
+        k = k.float().clone() if recon_k is not None or rounded else k.float()
+        v = v.float().clone() if recon_v is not None or rounded else v.float()
         if exact.numel() and bits != 16:
             k[:, exact] = fake_quantize(k[:, exact], bits, 0)
             v[:, exact] = fake_quantize(v[:, exact], bits, 0)
@@ -242,6 +245,8 @@ def choose_ranks(
     caps = {s: bases[s].shape[1] for s in ("k", "v")}
 
     cost = side_cost(store, plan, caps)
+    # every probed rank's coordinates are the leading columns of one projection
+    projected = {s: x[factor] @ bases[s] for s, x in (("k", chunk.x_k), ("v", chunk.x_v))}
 
     def side_error(side: str, rank: int) -> float:
         basis = bases[side]
@@ -249,7 +254,7 @@ def choose_ranks(
         widths = method.bucket_widths(rank, cap)
         top = widths[0]
         x = chunk.x_k if side == "k" else chunk.x_v
-        coords = x[factor] @ basis[:, :top]
+        coords = projected[side][:, :top]
         width = torch.tensor(widths, device=x.device)[plan.kind[factor].clamp(max=LO)]
         coords = coords * (torch.arange(top, device=x.device) < width.unsqueeze(1))
         r = fake_quantize(basis[:, :top].T.contiguous(), method.coefficient_bits, top)
@@ -259,7 +264,7 @@ def choose_ranks(
             keys, _ = assemble(store, chunk, plan, recon, None, cos_sin)
             return probe.error(keys, exact_values, keep)
         _, values = assemble(store, chunk, plan, None, recon, cos_sin)
-        return probe.error(exact_keys, values, keep)
+        return probe.error(exact_keys, values, keep, exact_keys=True)
 
     if method.target_error is not None:
         ranks, errors = ranks_for_error(caps, cost, side_error, method.target_error)

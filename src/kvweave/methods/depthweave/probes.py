@@ -37,17 +37,39 @@ class Probe:
     def attend(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor | None
     ) -> torch.Tensor:
+        return self.weights(layer, keys, keep) @ values
+
+    def weights(self, layer: int, keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """``[H, g·p, n]`` attention weights of the probe queries over ``keys`` (tokens not in ``keep`` unseen)."""
         visible = self.causal if keep is None else self.causal & keep.view(1, -1)
         logits = self.packed[layer] @ keys.transpose(-1, -2) * self.scalings[layer]
-        probs = masked_softmax(logits, visible)
-        return probs @ values
+        return masked_softmax(logits, visible)
 
-    def error(self, keys: list[torch.Tensor], values: list[torch.Tensor], keep: torch.Tensor) -> float:
+    def exact_key_weights(self, keys: list[torch.Tensor], keep: torch.Tensor) -> list[torch.Tensor]:
+        """The weights over the exact keys for ``keep``, computed once: probing value ranks changes only the
+        values, so every value-rank probe of a chunk reuses them."""
+        if getattr(self, "_weights_keep", None) is not keep:
+            self._weights_keep = keep
+            self._weights = [self.weights(i, k, keep) for i, k in enumerate(keys)]
+        return self._weights
+
+    def error(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        keep: torch.Tensor,
+        exact_keys: bool = False,
+    ) -> float:
+        """Mean relative output error; ``exact_keys``: ``keys`` are the chunk's exact keys (a value-rank probe),
+        so their weights are computed once per ``keep`` and reused."""
         if self.tp is not None:
             return self.error_over_ranks(keys, values, keep)
         errors = []
+        weights = self.exact_key_weights(keys, keep) if exact_keys else None
         for i, exact in enumerate(self.exact):
-            approx = self.attend(i, keys[i], values[i], keep)
+            approx = (
+                (weights[i] @ values[i]) if weights is not None else self.attend(i, keys[i], values[i], keep)
+            )
             errors.append(((approx - exact).norm() / exact.norm().clamp_min(1e-12)).item())
         return sum(errors) / len(errors)
 
