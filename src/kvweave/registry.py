@@ -108,9 +108,24 @@ class Method:
         return self.name + (":" + ",".join(changed) if changed else "")
 
     @classmethod
+    def option_ranges(cls) -> dict[str, str]:
+        """What each option allows, as the method's own checks say it (``[low, high]`` or ``one of [...]``):
+        the checks :meth:`check_range` and :meth:`check_choice` make on the default instance, recorded, so
+        the ranges shown are the ones enforced. Options checked only under other settings have none."""
+        global _RANGES
+        _RANGES = {}
+        try:
+            cls()
+        except Exception:  # noqa: BLE001  (a method whose defaults need a model: no ranges to show)
+            pass
+        found, _RANGES = _RANGES, None
+        return found
+
+    @classmethod
     def describe(cls) -> dict[str, Any]:
-        """Name, summary, capabilities and options (name, type, default, help) for CLIs and docs."""
+        """Name, summary, capabilities and options (name, type, default, help, range) for CLIs and docs."""
         hints = typing.get_type_hints(cls)
+        ranges = cls.option_ranges()
         return {
             "name": cls.name,
             "summary": cls.summary or (cls.__doc__ or "").strip().splitlines()[0],
@@ -129,10 +144,12 @@ class Method:
             "vllm": cls.vllm,
             "budget": dict(cls.budget_options),
             "options": [
-                _describe_field(f, hints) for f in dataclasses.fields(cls) if not f.metadata.get("tuning")
+                _describe_field(f, hints, ranges)
+                for f in dataclasses.fields(cls)
+                if not f.metadata.get("tuning")
             ],
             "tuning": [
-                _describe_field(f, hints) for f in dataclasses.fields(cls) if f.metadata.get("tuning")
+                _describe_field(f, hints, ranges) for f in dataclasses.fields(cls) if f.metadata.get("tuning")
             ],
         }
 
@@ -146,6 +163,10 @@ class Method:
     def check_range(self, option_name: str, low: float | None = None, high: float | None = None) -> None:
         """Raise ``ValueError`` naming the option, its value and the allowed range when out of range."""
         value = getattr(self, option_name)
+        if _RANGES is not None:
+            _RANGES[option_name] = (
+                f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
+            )
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
             raise ValueError(f"{self.name}: option {option_name}={value!r} is out of range; allowed {bounds}")
@@ -153,6 +174,8 @@ class Method:
     def check_choice(self, option_name: str, choices: typing.Iterable[Any]) -> None:
         """Raise ``ValueError`` naming the option, its value and the allowed values."""
         value, allowed = getattr(self, option_name), list(choices)
+        if _RANGES is not None:
+            _RANGES[option_name] = "one of " + ", ".join(str(a) for a in allowed)
         if value not in allowed:
             raise ValueError(
                 f"{self.name}: option {option_name}={value!r} is not allowed; choose one of {allowed}"
@@ -219,12 +242,18 @@ def canonical_spec(
         return spec
 
 
-def _describe_field(field: dataclasses.Field[Any], hints: dict[str, Any]) -> dict[str, Any]:
+_RANGES: dict[str, str] | None = None  # set while Method.option_ranges records the checks a method makes
+
+
+def _describe_field(
+    field: dataclasses.Field[Any], hints: dict[str, Any], ranges: dict[str, str] | None = None
+) -> dict[str, Any]:
     return {
         "name": field.name,
         "type": _type_name(hints.get(field.name)),
         "default": field.default,
         "help": field.metadata.get("help", ""),
+        "range": (ranges or {}).get(field.name),
     }
 
 

@@ -61,6 +61,31 @@ def test_describe_lists_options(name):
     )
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_ranges_kvweave_methods_shows_are_the_ones_enforced(name):
+    """Each shown range is recorded from the method's own checks: a value just outside it is refused with a
+    line naming the option, a value of a listed choice is taken."""
+    info = METHODS[name].describe()
+    shown = [o for o in info["options"] + info["tuning"] if o["range"]]
+    if name != "full":
+        assert shown, f"{name}: no option shows its range"
+    for option in shown:
+        text, default = option["range"], option["default"]
+        if text.startswith("one of "):
+            first = text.removeprefix("one of ").split(", ")[0]
+            parse_method(name, **{option["name"]: first})
+            with pytest.raises(ValueError, match=option["name"]):
+                parse_method(name, **{option["name"]: "no-such-choice" if isinstance(default, str) else 999})
+            continue
+        low = text.strip("[]").split(", ")[0]
+        if low == "-inf":
+            continue
+        below = float(low) - (1 if isinstance(default, int) and not isinstance(default, bool) else 0.01)
+        value = int(below) if isinstance(default, int) else below
+        with pytest.raises(ValueError, match=option["name"]):
+            parse_method(name, **{option["name"]: value})
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_batch_left_padding(name, arch):

@@ -23,7 +23,10 @@ def cmd_methods(args: argparse.Namespace) -> int:
         caps = ", ".join(k for k, v in info["capabilities"].items() if v) or "-"
         print(f"{info['name']:<12} {info['summary']}  [{caps}]")
         for opt in info["options"]:
-            print(f"    {opt['name'] + '=' + str(opt['default']):<28} {opt['type']:<14} {opt['help']}")
+            allowed = f" (allowed: {opt['range']})" if opt["range"] else ""
+            print(
+                f"    {opt['name'] + '=' + str(opt['default']):<28} {opt['type']:<14} {opt['help']}{allowed}"
+            )
         print(f"    vLLM: {info['vllm']}")
         if info["tuning"]:
             names = ", ".join(opt["name"] for opt in info["tuning"])
