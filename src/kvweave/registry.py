@@ -80,11 +80,8 @@ class Method:
     # the method keeps, and which kind of budget it is (see BUDGET_KINDS).
     budget_options: ClassVar[dict[str, str]] = {}
     # Options renamed since results were first written: old name -> new name. parse_method and the report
-    # read old specs through this one table (canonical_spec).
+    # read old specs through this one table (kvweave.report.specs.canonical_spec).
     renamed_options: ClassVar[dict[str, str]] = {}
-    # Option values that rows written before spec version N used when they did not set them (defaults changed
-    # in version N, or options added then with the old behaviour as another value): {N: {option: value}}.
-    legacy_defaults: ClassVar[dict[int, dict[str, Any]]] = {}
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
         """The cache layer object for decoder layer ``layer_idx`` (full-attention layers only)."""
@@ -193,55 +190,6 @@ BUDGET_KINDS = {
 """The kinds of budget a method option can set (``Method.budget_options``)."""
 
 
-SPEC_VERSION = 4
-"""Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
-current option names or defaults, and :func:`canonical_spec` reads them with ``Method.legacy_defaults``.
-Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
-version 3: exact tokens stored at 16 bits on float32 models (every method's ``storage=auto``); version 4:
-DepthWeave keeps retrievable-looking prompt tokens exact (``protect=0.02``)."""
-
-
-def canonical_spec(
-    spec: str, options: dict[str, Any] | None = None, legacy: bool = False, version: int | None = None
-) -> str:
-    """The spec a stored result row means today.
-
-    Renamed options go under their current names (``dkcache:ratio=0.25`` -> ``dkcache:attended=0.25``). With
-    ``options`` (the row's recorded option values) the spec is rebuilt from them; for a row written at spec
-    ``version`` (``legacy``: version 1, no ``spec_version`` in the row) options the row does not set take the
-    values they had then (``Method.legacy_defaults``), so a changed default never relabels an old figure.
-    Specs of unknown methods (e.g. kvpress rows) are returned unchanged."""
-    import kvweave.methods  # noqa: F401  (registers the built-in methods)
-
-    name, _, rest = spec.partition(":")
-    cls = METHODS.get(name)
-    if cls is None:
-        return spec
-    items = [p.strip() for p in rest.split(",") if p.strip()]
-    if any("=" not in item for item in items):
-        return spec
-    pairs = [
-        (cls.renamed_options.get(k.strip(), k.strip()), v.strip())
-        for k, _, v in (i.partition("=") for i in items)
-    ]
-    written_at = 1 if legacy else (SPEC_VERSION if version is None else version)
-    if (
-        not options and written_at >= SPEC_VERSION
-    ):  # a current spec: only renames, the text otherwise as written
-        return name + (":" + ",".join(f"{k}={v}" for k, v in pairs) if pairs else "")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {cls.renamed_options.get(k, k): v for k, v in (options or {}).items()}
-    values.update({k: _convert(cls, k, v) for k, v in pairs if k in fields})
-    for since, defaults in cls.legacy_defaults.items():
-        if written_at < since:
-            for key, value in defaults.items():
-                values.setdefault(key, value)
-    try:
-        return cls(**{k: v for k, v in values.items() if k in fields}).spec()
-    except (TypeError, ValueError):
-        return spec
-
-
 _RANGES: dict[str, str] | None = None  # set while Method.option_ranges records the checks a method makes
 
 
@@ -263,7 +211,7 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def _convert(cls: type[Method], key: str, text: str) -> Any:
+def convert_option(cls: type[Method], key: str, text: str) -> Any:
     """Turn an option given as text into the field's type (integers take ``4k`` = 4096, as lengths do)."""
     hint = typing.get_type_hints(cls).get(key)
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
@@ -350,7 +298,7 @@ def parse_method(spec: str | Method, **overrides: Any) -> Method:
     twice = sorted(set(options) & set(overrides))
     if twice:
         raise ValueError(f"{name}: option(s) {twice} given in the spec and as keywords; give each once")
-    typed = {k: _convert(cls, k, v) for k, v in options.items()}
+    typed = {k: convert_option(cls, k, v) for k, v in options.items()}
     typed.update({k: _checked(cls, k, v) for k, v in overrides.items()})
     return check_budgets(cls(**typed))
 
@@ -359,7 +307,7 @@ def _checked(cls: type[Method], key: str, value: Any) -> Any:
     """A keyword option checked against the field's type (text is converted as in a spec; an int is a valid
     float): ``rope_compensation=0.25`` is refused rather than stored where a bool belongs."""
     if isinstance(value, str):
-        return _convert(cls, key, value)
+        return convert_option(cls, key, value)
     hint = typing.get_type_hints(cls).get(key)
     kinds = typing.get_args(hint) or (hint,)
     if value is None and type(None) in kinds:

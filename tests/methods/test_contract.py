@@ -312,7 +312,7 @@ def test_nan_in_prompt_keys_is_refused_with_the_way_out(name):
 def test_renamed_options_read_under_their_current_names():
     """One budget vocabulary: DK-Cache's per-step budget is ``attended`` (not ``ratio``, which evictors use for
     what they hold) and DepthWeave's is ``compression``; old specs (committed result rows) still read."""
-    from kvweave.registry import canonical_spec
+    from kvweave.report.specs import canonical_spec
 
     assert parse_method("dkcache:ratio=0.25").attended == 0.25
     assert parse_method("dkcache:ratio=0.25").spec() == "dkcache:attended=0.25"
@@ -333,7 +333,7 @@ def test_renamed_options_read_under_their_current_names():
 
 def test_old_rows_keep_their_meaning_when_defaults_change():
     """A row written before the current defaults reads as what it measured (legacy defaults made explicit)."""
-    from kvweave.registry import canonical_spec
+    from kvweave.report.specs import canonical_spec
 
     assert (
         canonical_spec("dkcache:ratio=0.125", legacy=True)

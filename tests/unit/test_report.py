@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from kvweave.cli import main
-from kvweave.registry import SPEC_VERSION
 from kvweave.report import data, load_run, render_html, svg, write_report
+from kvweave.report.specs import SPEC_VERSION
 
 METHODS = {"full": 1.0, "window:ratio=0.25": 0.25, "window:ratio=0.5": 0.5}
 MB = 2**20

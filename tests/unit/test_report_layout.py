@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvweave.registry import SPEC_VERSION
 from kvweave.report import layout, load_run, render_html
 from kvweave.report.data import Run
+from kvweave.report.specs import SPEC_VERSION
 
 MB = 2**20
 LONG = "dkcache:attended=0.125,decouple=True,pages=32,retrieve=never,bits=16,storage=model,sinks=8"

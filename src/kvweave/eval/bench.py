@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from kvweave.registry import SPEC_VERSION
+from kvweave.report.specs import SPEC_VERSION
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(

@@ -21,7 +21,8 @@ import torch
 from kvweave._compat import cache_kwarg
 from kvweave.cache import make_cache
 from kvweave.eval import tasks as task_lib
-from kvweave.registry import SPEC_VERSION, parse_method
+from kvweave.registry import parse_method
+from kvweave.report.specs import SPEC_VERSION
 
 
 def window_nll(

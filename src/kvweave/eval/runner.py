@@ -36,7 +36,8 @@ from kvweave.distributed import is_main_process, summed_full_kv_bytes, summed_nb
 from kvweave.eval import tasks as task_lib
 from kvweave.eval.summary import _median, add_speed_ratios, format_table, summarize  # noqa: F401
 from kvweave.prompt import chat_text
-from kvweave.registry import SPEC_VERSION, parse_method
+from kvweave.registry import parse_method
+from kvweave.report.specs import SPEC_VERSION
 
 
 @dataclasses.dataclass

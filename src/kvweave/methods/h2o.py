@@ -37,7 +37,6 @@ class H2O(Method):
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
-    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"ratio": 0.4, "recent": 0.5}
     invalid_options = (
         ({"budget": 0}, "budget"),

@@ -38,7 +38,6 @@ class KeyDiff(Method):
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
-    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"budget": 16}
     invalid_options = (({"budget": 0}, "budget"), ({"ratio": 1.5}, "ratio"), ({"ratio": -0.5}, "ratio"))
 

@@ -45,7 +45,6 @@ class Keyformer(Method):
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
-    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"ratio": 0.4}
     invalid_options = (
         ({"budget": 0}, "budget"),

@@ -37,7 +37,6 @@ class PositionInterpolation(Method):
     needs_positions = True
     exact_prefill = False  # the prompt itself is attended at interpolated positions
     compresses = False
-    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"factor": 2.0}
     invalid_options = (({"factor": 0.5}, "factor"), ({"factor": 0.0}, "factor"))
 

@@ -78,7 +78,6 @@ class Quant(Method):
     storage: str = option("auto", STORAGE_HELP)
 
     budget_options = {"bits": "bits"}
-    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"bits": 4, "group": 8, "residual": 8, "chunk": 16}
     invalid_options = (
         ({"bits": 3}, "bits"),

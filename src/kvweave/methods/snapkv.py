@@ -38,7 +38,6 @@ class SnapKV(Method):
 
     evicts = True
     budget_options = {"ratio": "held fraction", "budget": "held tokens"}
-    legacy_defaults = {3: {"storage": "model"}}
     renamed_options = {"kernel": "pool"}  # "kernel" names a backend elsewhere
     test_options = {"budget": 16, "window": 4, "pool": 3}
     invalid_options = (

@@ -41,7 +41,6 @@ class Window(Method):
     evicts = True
     bounded_memory = True
     budget_options = {"ratio": "held fraction", "window": "held tokens"}
-    legacy_defaults = {3: {"storage": "model"}}
     test_options = {"window": 8, "sinks": 2}
     invalid_options = (
         ({"window": 0}, "window"),

@@ -71,7 +71,6 @@ class XKV(DepthWeave):
     reads_token_ids: ClassVar[bool] = False
     budget_options: ClassVar[dict[str, str]] = {"compression": "compression"}
     renamed_options: ClassVar[dict[str, str]] = {}
-    legacy_defaults: ClassVar[dict[int, dict[str, object]]] = {}
     test_options: ClassVar[dict[str, object]] = {"group": 2, "compression": 3.0}
     invalid_options: ClassVar[tuple[tuple[dict[str, Any], str], ...]] = (
         ({"protect": 0.02}, "protect"),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvweave.eval import runner
-from kvweave.registry import canonical_spec
+from kvweave.report.specs import canonical_spec
 
 REFERENCE_METHODS = ("full", "kvpress:full")
 """Methods that speed ratios are taken against (kvweave's ``full``; the uncompressed kvpress baseline)."""

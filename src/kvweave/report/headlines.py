@@ -3,7 +3,7 @@
 A headline is a marked span in a document: ``<!-- fig:NAME -->1.13x<!-- /fig -->``. :data:`HEADLINES` says
 where each figure comes from (a rows file under ``docs/data``, the row's method spec and filters, the field and
 how to summarise it); :func:`render` rewrites every span from the rows. A figure whose rows were written under
-older defaults than the method's current ones (``spec_version``: :func:`kvweave.registry.canonical_spec` of
+older defaults than the method's current ones (``spec_version``: :func:`kvweave.report.specs.canonical_spec` of
 the row differs from the spec read today) is rendered with the configuration it measured, in words, so an old
 figure is never read as the current default's.
 
@@ -80,7 +80,8 @@ _SUMMARIES: dict[str, Callable[[list[float], str], str]] = {
 def older_configuration(method: str, rows: list[dict[str, Any]]) -> str | None:
     """The spec the rows measured when it is not what ``method`` means today (their ``spec_version`` predates
     a default it depends on), else ``None``."""
-    from kvweave.registry import canonical_spec, parse_method
+    from kvweave.registry import parse_method
+    from kvweave.report.specs import canonical_spec
 
     today = parse_method(method).spec()
     for row in rows:

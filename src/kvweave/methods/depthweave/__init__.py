@@ -240,7 +240,6 @@ class DepthWeave(Method):
     reads_token_ids = True  # the router's content signal and protect read the prompt's tokens
     budget_options = {"compression": "compression", "decode_tokens": "attended tokens"}
     renamed_options = {"target_ratio": "compression"}
-    legacy_defaults = {2: {"decode_tokens": 0}, 4: {"protect": 0.0}}
     test_options = {
         "recent": 8,
         "block": 8,

@@ -228,7 +228,6 @@ class DKCache(Method):
     exact_prefill = False
     budget_options = {"attended": "attended fraction", "bits": "bits"}
     renamed_options = {"ratio": "attended"}
-    legacy_defaults = {2: {"bits": 16, "decouple": True}, 3: {"storage": "model"}}
     test_options = {"core": 4, "steady": 16, "page": 8, "pages": 2, "sinks": 2, "far_dtype": "int8"}
     invalid_options = (
         ({"alpha": 0.6}, "alpha"),
