@@ -344,6 +344,9 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         "keys",
         "values",
     )
+    # the tensors whose first dimension is the batch row: what beam search, batch repeats and row selection
+    # reorder (:meth:`select_rows`); subclasses add theirs (a contract test finds any that is missing)
+    batch_fields: ClassVar[tuple[str, ...]] = ("slots", "pad_count", "keys", "values")
 
     def __init__(self, cache: KVCache, layer_idx: int) -> None:
         super().__init__()
@@ -421,10 +424,17 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         self.select_rows(indices)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep batch rows ``rows`` of every per-row tensor."""
-        for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.rows:
-                setattr(self, name, value.index_select(0, rows.to(value.device)))
+        """Keep batch rows ``rows`` of every tensor the class declares per row (:attr:`batch_fields`)."""
+        for name in self.batch_fields:
+            value = getattr(self, name, None)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or (value.shape[0] == 0 < self.rows):
+                continue  # not set yet (None, or the empty placeholder a layer holds before its first update)
+            if value.shape[0] != self.rows:
+                raise RuntimeError(
+                    f"{type(self).__name__}.{name} is declared per batch row but holds {value.shape[0]} rows, "
+                    f"not {self.rows}"
+                )
+            setattr(self, name, value.index_select(0, rows.to(value.device)))
         self.rows = len(rows)
 
     # -- kvweave's attention step

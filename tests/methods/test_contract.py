@@ -372,3 +372,34 @@ def test_a_filled_cache_refuses_another_batch_or_dtype(name):
     layer = next(layer for layer in cache.layers if hasattr(layer, "check_matches"))
     with pytest.raises(ValueError, match="torch.float16"):
         layer.check_matches(torch.zeros(1, 2, 1, 16, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_per_row_tensor_is_declared_a_batch_field(name):
+    """Row selection (beam search, batch repeats) reorders the tensors a layer declares per row, not whatever
+    happens to be as long as the batch: after a batch-3 generate (3 matching no other dimension of the tiny
+    model), every tensor of a layer whose first dimension is 3 is declared, and selection keeps them aligned."""
+    model = tiny_model("llama")
+    cache = kvweave.make_cache(_method(name), model)
+    ids = torch.randint(3, 150, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                       **{cache_kwarg(model): cache})  # fmt: skip
+    for layer in cache.layers:
+        if not hasattr(layer, "batch_fields"):
+            continue  # transformers' own layers (full, sliding windows)
+        per_row = {
+            k for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 3
+        }
+        assert per_row <= set(layer.batch_fields), (
+            f"{type(layer).__name__}: undeclared {per_row - set(layer.batch_fields)}"
+        )
+    before = cache.nbytes()
+    cache.reorder_cache(torch.tensor([2, 0, 1]))
+    assert cache.nbytes() == before
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    for layer in cache.layers:
+        for field in getattr(layer, "batch_fields", ()):
+            value = getattr(layer, field, None)
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0]:
+                assert value.shape[0] == 2, (name, type(layer).__name__, field)

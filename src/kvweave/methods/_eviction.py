@@ -107,6 +107,7 @@ class EvictingLayer(CompressedLayer):
 
     entry_state: ClassVar[tuple[str, ...]] = ()
     state_fields = CompressedLayer.state_fields + ("budget", "scaling")
+    batch_fields = CompressedLayer.batch_fields + ("budget",)
 
     def __init__(self, cache: KVCache, layer_idx: int) -> None:
         super().__init__(cache, layer_idx)

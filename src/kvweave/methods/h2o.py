@@ -58,6 +58,7 @@ class H2OLayer(EvictingLayer):
     """Exact entries with their accumulated attention ``scores: [B, H, T]`` (float32)."""
 
     state_fields = EvictingLayer.state_fields + ("scores",)
+    batch_fields = EvictingLayer.batch_fields + ("scores",)
 
     entry_state = ("scores",)
 

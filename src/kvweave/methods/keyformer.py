@@ -73,6 +73,7 @@ class KeyformerLayer(EvictingLayer):
     """Exact entries with their accumulated Gumbel-softmax ``scores: [B, H, T]`` (float32)."""
 
     state_fields = EvictingLayer.state_fields + ("prompt_tokens", "scores")
+    batch_fields = EvictingLayer.batch_fields + ("prompt_tokens", "scores")
 
     entry_state = ("scores",)
 

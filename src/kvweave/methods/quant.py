@@ -236,6 +236,12 @@ class QuantLayer(CompressedLayer):
       slot is empty for that row.
     """
 
+    batch_fields = CompressedLayer.batch_fields + (
+        "recent_keys",
+        "recent_values",
+        "recent_count",
+        "block_start",
+    )
     state_fields = CompressedLayer.state_fields + (
         "block_start",
         "recent_count",

@@ -42,6 +42,16 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
     the step statistics. Built from the cache and the method: the RoPE table, the trained length, α, and the tier
     bounds (from the options, or from the saved ``attended`` budget)."""
 
+    # per-row tensors of the layer itself (the tiers and the far store select their own rows)
+    batch_fields = (
+        "steady_sum",
+        "steady_count",
+        "last_entropy",
+        "last_attended",
+        "pages_last",
+        "pages_total",
+        "pad_count",
+    )
     state_fields = CompressedLayer.state_fields + (
         "attended_budget",
         "position_limit",
@@ -524,15 +534,7 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
             self.far.select_rows(rows)
         self.pad = [self.pad[i] for i in order] if self.pad else []
         self.groups = [self.groups[i] for i in order] if self.groups else []
-        for name in (
-            "steady_sum",
-            "steady_count",
-            "last_entropy",
-            "last_attended",
-            "pages_last",
-            "pages_total",
-            "pad_count",
-        ):
+        for name in self.batch_fields:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
