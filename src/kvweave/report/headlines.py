@@ -116,6 +116,17 @@ HEADLINES: dict[str, Headline] = {
     "dk-16k-compression": Headline(
         "docs/data/bench/bench-16k-v4.jsonl", "dkcache", "compression", "{:.2f}x", (("context", 16384),)
     ),
+    **{
+        f"{short}-{point}-speed": Headline(
+            "docs/data/bench/bench-scale-v4.jsonl",
+            method,
+            "speedup",
+            "{:.2f}x",
+            (("context", context), ("batch", batch)),
+        )
+        for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
+        for point, context, batch in (("32k", 32768, 1), ("16kb4", 16384, 4))
+    },
     "dk16-16k-speed": Headline(
         "docs/data/bench/bench-16k.jsonl", "dkcache:bits=16", "speedup", "{:.2f}x", (("context", 16384),)
     ),
