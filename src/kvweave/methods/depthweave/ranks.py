@@ -47,6 +47,8 @@ RANK_GRID = (
     8192,
 )
 SIDES = ("k", "v")
+PROBE_SPAN = 8
+"""Within a byte budget, a side's probed ranks span the largest affordable one down to 1/PROBE_SPAN of it."""
 
 Cost = Callable[[str, int], int]  # (side, rank) -> bytes
 Error = Callable[[str, int], float]  # (side, rank) -> probe error
@@ -105,7 +107,10 @@ def ranks_within(
     grids = {}
     for side, other in (("k", "v"), ("v", "k")):
         affordable = [r for r in probe_grid(caps[side]) if cost(side, r) + cost(other, 1) <= available]
-        grids[side] = affordable or [1]
+        # ranks far below what the budget affords never make the best pair (both sides' errors fall with rank,
+        # and the pair is filled up to the budget afterwards): probe from an eighth of the affordable top
+        floor = affordable[-1] / PROBE_SPAN if affordable else 1
+        grids[side] = [r for r in affordable if r >= floor] or [1]
     errors: dict[str, dict[int, float]] = {"k": {}, "v": {}}
     for side in SIDES:
         for rank in grids[side]:
