@@ -36,7 +36,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-METRICS = ("vllm:num_preemptions_total", "vllm:num_requests_waiting", "vllm:num_requests_running")
+METRICS = (
+    "vllm:num_preemptions_total",  # the counter vllm:num_preemptions as Prometheus exposes it
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:num_preemptions",  # the same counter, where a client library exposes it without the suffix
+)
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
@@ -217,7 +222,8 @@ def run_point(
     stop.set()
     poller.join(5)
     after = read_metrics(args.port)
-    preemptions = after.get(METRICS[0], 0.0) - before.get(METRICS[0], 0.0)
+    name = METRICS[0] if METRICS[0] in after else METRICS[3]
+    preemptions = after.get(name, 0.0) - before.get(name, 0.0)
     return {
         **summarize_point(results, wall),
         "not_sent_time_cap": skipped,
