@@ -127,6 +127,23 @@ HEADLINES: dict[str, Headline] = {
         for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
         for point, context, batch in (("32k", 32768, 1), ("16kb4", 16384, 4))
     },
+    **{
+        f"{short}-{task_short}-4k-{what}": Headline(
+            "docs/data/runs/xkv-4k/rows.jsonl",
+            method,
+            field,
+            fmt,
+            (("task", task), ("context", 4096)),
+            summary=summary,
+            scale=scale,
+        )
+        for short, method in (("xkv", "xkv"), ("dwx", "depthweave"), ("fullx", "full"))
+        for task_short, task in (("mq", "niah_multiquery"), ("mk", "niah_multikey"))
+        for what, field, fmt, summary, scale in (
+            ("score", "score", "{:.0f} %", "mean", 100),
+            ("compression", "compression", "{:.1f}x", "range", 1.0),
+        )
+    },
     "dk16-16k-speed": Headline(
         "docs/data/bench/bench-16k.jsonl", "dkcache:bits=16", "speedup", "{:.2f}x", (("context", 16384),)
     ),
