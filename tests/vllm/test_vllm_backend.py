@@ -69,6 +69,28 @@ def test_slot_bytes_give_the_expected_capacity_ratio() -> None:
     )  # summaries cost 4 bytes a slot at 128 tokens
 
 
+def test_one_write_spanning_more_blocks_than_the_residual_holds_keeps_them_all() -> None:
+    """A prefill chunk writes every block of its prompt at once (here 5 blocks with room for 2 requests' rows):
+    none of those rows may be reused within the write (the load benchmark's 1K-token prompts crashed vLLM's
+    worker with a KeyError here at max_num_seqs=4)."""
+    from kvweave.vllm.backend import KeyResidual
+
+    residual = KeyResidual(heads=2, block_size=4, head_size=8, dtype=torch.float32, max_requests=1)
+    blocks = torch.arange(5).repeat_interleave(4)
+    offsets = torch.arange(4).repeat(5)
+    key = torch.randn(20, 2, 8)
+    kept = residual.store(blocks, offsets, key)
+    assert bool(kept.all())
+    rows = residual.rows_of(torch.arange(5))
+    assert len(set(rows.tolist())) == 5, "every block of the write has its own row"
+    assert torch.equal(residual.keys[rows[3], :, 2], key[3 * 4 + 2])
+    residual.release(torch.arange(5))  # the blocks filled: their groups were quantized
+    residual.store(
+        torch.tensor([9]), torch.tensor([0]), torch.randn(1, 2, 8)
+    )  # the next request reuses a row
+    assert residual.keys.shape[0] <= 8
+
+
 def test_bad_method_specs_fail_with_one_line() -> None:
     for spec, word in (
         ("quant:bits=3", "bits"),

@@ -473,14 +473,18 @@ class KeyResidual:
     def _take_row(self) -> int:
         if self.free:
             return self.free.pop()
-        if self.keys.shape[0] < self.max_rows:
+        stale = [row for row, step in self.last_write.items() if step < self.step]
+        if self.keys.shape[0] < self.max_rows or not stale:
+            # also past max_rows when every row was written this step: one prefill chunk writes many blocks at
+            # once (a 1K-token prompt spans 9 blocks of 128), and their rows are freed once their groups are
+            # quantized; evicting one of them would lose keys written a moment ago
             grown = max(4, self.keys.shape[0])
             first = self.keys.shape[0]
             self.keys = torch.cat([self.keys, self.keys.new_empty(grown, *self.keys.shape[1:])])
             self.free.extend(range(first + grown - 1, first, -1))
             return first
-        stale = min(self.last_write, key=self.last_write.__getitem__)  # least recently written row
-        block = next(b for b, r in self.row_of.items() if r == stale)
+        oldest = min(stale, key=self.last_write.__getitem__)  # least recently written row
+        block = next(b for b, r in self.row_of.items() if r == oldest)
         self.release(torch.tensor([block]))
         self.evicted.add(block)
         return self.free.pop()
