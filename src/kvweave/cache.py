@@ -438,6 +438,22 @@ class CompressedLayer(CacheLayerMixin, Stateful):
         self.rows = len(rows)
 
     # -- kvweave's attention step
+    def prompt_attention(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Exact attention of a prompt over its own keys and values (transformers' SDPA path); an empty tensor
+        during a shared-prefill replay (``cache.replaying``), whose output is known already: only the store
+        matters then."""
+        if self.cache.replaying:
+            return query.new_empty(0)
+        return sdpa_attention(module, query, key, value, attention_mask, **kwargs)[0]
+
     def attend(
         self,
         module: torch.nn.Module,
@@ -459,10 +475,8 @@ class CompressedLayer(CacheLayerMixin, Stateful):
             self.record_padding(attention_mask)
         # the prompt attends to its own exact keys and values; later steps to what the store holds
         keys, values = (key, value) if first == 0 else self.attention_keys_values(query)
-        if self.cache.replaying:  # shared-prefill replay: the output is known already, only the store matters
-            out = query.new_empty(0)
-        elif self.slots is None:  # nothing evicted: transformers' own path, exact
-            out, _ = sdpa_attention(module, query, keys, values, attention_mask, **kwargs)
+        if self.cache.replaying or self.slots is None:  # nothing evicted: transformers' own path, exact
+            out = self.prompt_attention(module, query, keys, values, attention_mask, **kwargs)
         else:
             mask = visible_mask(attention_mask, self.slots, first, q_len)
             out = masked_attention(query, keys, values, mask, kwargs.get("scaling"))

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvweave._compat import sdpa_attention
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.kernels import cpu_quant
 from kvweave.kernels.registry import BACKENDS, Kernel, choose
@@ -387,12 +386,7 @@ class QuantLayer(CompressedLayer):
         self.seen += q_len
         if first == 0:
             self.pad_count = prompt_padding(attention_mask, self.rows, self.seen, self.device)
-            if (
-                self.cache.replaying
-            ):  # shared-prefill replay: the output is known already, only the store matters
-                out = query.new_empty(0)
-            else:
-                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
             self.drop_padding(self.pad_count)
         else:
             out = self.chunked_attention(query, attention_mask, first, kwargs.get("scaling"))

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvweave._compat import sdpa_attention
 from kvweave.cache import CompressedLayer
 from kvweave.methods.pi import rerotate, token_positions
 from kvweave.ops.attention import masked_attention
@@ -96,12 +95,7 @@ class WindowLayer(CompressedLayer):
         self.seen += q_len
         if first == 0:  # prefill: exact attention at the model's own positions
             self.record_padding(attention_mask)
-            if (
-                self.cache.replaying
-            ):  # shared-prefill replay: the output is known already, only the store matters
-                out = query.new_empty(0)
-            else:
-                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
         else:
             rotary = self.cache.rotary_for(self.layer_idx)
             positions = self.cache_positions()  # [B, H, T]

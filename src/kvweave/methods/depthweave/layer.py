@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvweave._compat import mask_to_bool, sdpa_attention
+from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.parts import DensePart, attend_parts
 from kvweave.methods.depthweave.router import observed_attention
@@ -71,10 +71,7 @@ class DepthWeaveLayer(CompressedLayer):
         group, recent = self.group, self.recent
         if first == 0:  # prefill: exact attention, like every method; compression happens as the KV is stored
             self.pad_count = prompt_padding(attention_mask, self.rows, q_len, key.device)
-            if getattr(self.cache, "replaying", False):  # shared-prefill replay: only the store matters
-                out = query.new_empty(0)
-            else:
-                out, _ = sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+            out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
             if self.method.router or self.method.weighting > 0:
                 recent.score = observed_attention(query, key, self.pad_count, self.method.window, scaling)
         else:

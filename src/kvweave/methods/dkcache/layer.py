@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvweave._compat import mask_to_bool, sdpa_attention
+from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, StepPositions
 from kvweave.kernels import cpu_int8
 from kvweave.kernels.cpu_int8 import Int8Rows
@@ -238,14 +238,7 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         prefill with ``path="fast"`` on an unpadded prompt, else in query chunks)."""
         b, hq, n, _ = query.shape
         if groups is None:
-            replaying = (
-                self.cache.replaying
-            )  # shared-prefill replay: the output is known, only the store matters
-            out = (
-                query.new_empty(0)
-                if replaying
-                else sdpa_attention(module, query, key, value, attention_mask, **kwargs)[0]
-            )
+            out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
             if self.method.retrieve == "entropy":  # the first decode step reads the prompt's last query
                 last = prefill_visible(attention_mask, self.rows, n, n - 1, n, self.device)
                 _, self.last_entropy = remapped_attention(
