@@ -42,7 +42,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   summaries (per-channel min/max of ``page`` stored keys, rounded outwards; their bytes are part of the
   ``compression`` budget). A decode step (one new query per row) bounds ``q·k`` per page, keeps the top
   ``decode_tokens / page`` pages per KV head, and rebuilds, rotates and scores only those tokens — in one fused
-  C++ kernel on CPU (:mod:`kvweave.kernels.cpu_factor`; ``kernel=torch`` is the tested reference) — then
+  kernel straight from the packed coordinates (C++ on CPU, :mod:`kvweave.kernels.cpu_factor`; Triton on CUDA,
+  :mod:`kvweave.kernels.triton_factor`; ``kernel=torch`` is the tested reference) — then
   attends exactly over them, the exact rows and the recent buffer. Other compressed tokens get no weight that
   step (Quest-style sparsity). Multi-token steps (a question fed after the document) and stores with no more
   pages than the budget attend over everything. ``decode_tokens=0`` is the previous path (every key rebuilt
@@ -92,6 +93,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvweave.kernels.registry import BACKENDS
 from kvweave.methods.depthweave.chunk import EVICTED, EXACT, HI, LO, MID, Chunk, Plan
 from kvweave.methods.depthweave.group import WeaveGroup
 from kvweave.methods.depthweave.layer import DepthWeaveLayer
@@ -219,8 +221,8 @@ class DepthWeave(Method):
     page: int = option(64, "tokens per page summary (decode_tokens > 0)", tuning=True)
     kernel: str = option(
         "auto",
-        "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), torch (gather, dequantize, "
-        "matmul: the reference) or auto (cpp on CPU when it builds)",
+        "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), triton (fused Triton kernels, "
+        "CUDA), torch (gather, dequantize, matmul: the reference) or auto (triton on CUDA, cpp on CPU)",
         tuning=True,
     )
     drift: float = option(
@@ -290,7 +292,7 @@ class DepthWeave(Method):
         self.check_range("rank", 1)
         self.check_range("decode_tokens", 0)
         self.check_range("page", 1)
-        self.check_choice("kernel", ["auto", "cpp", "torch"])
+        self.check_choice("kernel", list(BACKENDS))
         self.check_range("probe", 1)
         self.check_range("window", 1)
         self.check_range("sinks", 0)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvweave.kernels.registry import Kernel, choose
 from kvweave.methods.depthweave.parts import DensePart
 from kvweave.ops.pages import PageBounds, page_extremes
 
@@ -50,13 +51,22 @@ class SelectedPart:
         return weights @ self.r_v.permute(1, 0, 2)  # [H, w, D]
 
 
+SELECTIVE = Kernel(
+    "depthweave selective decode", cpp="kvweave.kernels.cpu_factor", triton="kvweave.kernels.triton_factor"
+)
+"""Rebuild + score the chosen tokens and weight their value coordinates from the packed coordinates: the fused
+C++ kernel on the CPU, the Triton kernels on CUDA (:mod:`kvweave.kernels.registry` decides)."""
+
+
 class FusedSelectedPart:
-    """The chosen rows of one segment, scored and weighted by the fused C++ kernel
-    (:mod:`kvweave.kernels.cpu_factor`) straight from the packed coordinates: nothing per token is materialised.
-    Same interface (and, to float rounding, the same results) as :class:`SelectedPart`."""
+    """The chosen rows of one segment, scored and weighted by a fused kernel (``module``: the C++ kernel,
+    :mod:`kvweave.kernels.cpu_factor`, or the Triton one, :mod:`kvweave.kernels.triton_factor`) straight from the
+    packed coordinates: nothing per token is materialised. Same interface (and, to float rounding, the same
+    results) as :class:`SelectedPart`."""
 
     def __init__(
         self,
+        module: Any,
         segment: Segment,
         r_k: torch.Tensor,
         r_v: torch.Tensor,
@@ -64,41 +74,47 @@ class FusedSelectedPart:
         valid: torch.Tensor,
         table: RopeTable | None,
     ) -> None:
-        self.segment, self.r_k, self.r_v, self.rows, self.valid = segment, r_k, r_v, rows, valid
+        self.module, self.segment, self.r_k, self.r_v, self.rows, self.valid = (
+            module,
+            segment,
+            r_k,
+            r_v,
+            rows,
+            valid,
+        )
         self.table = table
         self.slots = segment.slots[rows].long()
 
     def logits(self, query: torch.Tensor) -> torch.Tensor:
-        from kvweave.kernels import cpu_factor
-
         cos = sin = None
         if self.segment.positions is not None and self.table is not None:
             cos, sin = self.table.tables[query.device]
         positions = self.segment.positions if cos is not None else None
-        return cpu_factor.factor_logits(
+        return self.module.factor_logits(
             query, self.segment.coords_k, self.r_k, self.rows, positions, cos, sin
         )
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
-        from kvweave.kernels import cpu_factor
-
-        weights = cpu_factor.factor_weighted(probs, self.segment.coords_v, self.rows)  # [H, M, w_v]
+        weights = self.module.factor_weighted(probs, self.segment.coords_v, self.rows)  # [H, M, w_v]
         return weights[..., : self.r_v.shape[0]] @ self.r_v.permute(1, 0, 2)
 
 
-def fused_available(method: Any, segment: Segment) -> bool:
-    """Whether the fused kernel reads this segment (``kernel`` option, CPU tensors, INT4 / INT8 coordinates)."""
-    if method.kernel == "torch":
-        return False
-    from kvweave.kernels import cpu_factor
-
-    readable = cpu_factor.supports(segment.coords_k) and cpu_factor.supports(segment.coords_v)
-    if method.kernel == "cpp" and (not readable or cpu_factor.load() is None):
-        raise RuntimeError(
-            "depthweave: kernel=cpp, but the fused C++ kernel cannot read this store "
-            f"({cpu_factor.unavailable_reason() or 'coordinates not INT4/INT8 on the CPU'}); use kernel=auto"
-        )
-    return readable and cpu_factor.load() is not None
+def fused_kernel(method: Any, segment: Segment) -> Any | None:
+    """The kernel module that reads this segment's selected rows (``kernel`` option through the registry), or
+    ``None`` for the torch path (``kernel=torch``, no fast backend here, or coordinates a kernel cannot read
+    under ``kernel=auto``; an explicit ``cpp`` / ``triton`` that cannot read them is refused)."""
+    backend = choose(SELECTIVE, method.kernel, segment.coords_k.data.device)
+    if backend == "torch":
+        return None
+    module: Any = SELECTIVE.module(backend)
+    if module.supports(segment.coords_k) and module.supports(segment.coords_v):
+        return module
+    if method.kernel == "auto":
+        return None
+    raise RuntimeError(
+        f"depthweave: kernel={method.kernel}, but the fused {backend} kernel cannot read this store "
+        "(coordinates not INT4/INT8 with row-group scales); use kernel=auto"
+    )
 
 
 def rebuilt_keys(
@@ -190,11 +206,12 @@ def selected_parts(
             rows = (local.clamp(min=0).unsqueeze(-1) * method.page + offsets).flatten(1)  # [H, c·page]
             valid = (local >= 0).repeat_interleave(method.page, dim=1) & (rows < segment.slots.numel())
             rows = torch.where(valid, rows, 0)
-            if fused_available(method, segment):
+            module = fused_kernel(method, segment)
+            if module is not None:
                 width_k = segment.coords_k.width
                 r_k = store.basis["k"][layer].dequantize()[:width_k].view(width_k, heads, dim)
                 r_v_part = r_v[: segment.coords_v.width]
-                parts.append(FusedSelectedPart(segment, r_k, r_v_part, rows, valid, table))
+                parts.append(FusedSelectedPart(module, segment, r_k, r_v_part, rows, valid, table))
                 offset += count
                 continue
             page_index = local.clamp(min=0)
