@@ -135,9 +135,10 @@ def test_nbytes_counts_held_tensors_and_compresses(name):
     ids = torch.randint(3, 150, (1, 64))
     with torch.no_grad():
         model(ids, **{cache_kwarg(model): cache})
-    held = cache.nbytes()
+    held = (
+        cache.nbytes()
+    )  # that it counts what is held: test_nbytes_equals_an_independent_walk_of_every_tensor
     assert held > 0
-    assert held == sum(cache.stats()["layers"][i]["bytes"] for i in range(len(cache.layers)))
     full_fp32 = cache.full_kv_bytes(bits=32)
     if METHODS[name].exact:
         assert held == full_fp32

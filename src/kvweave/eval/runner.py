@@ -21,19 +21,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvweave._compat import TRANSFORMERS_VERSION, cache_kwarg
+from kvweave._compat import cache_kwarg
 from kvweave.cache import make_cache
 from kvweave.distributed import is_main_process, summed_full_kv_bytes, summed_nbytes
 from kvweave.eval import tasks as task_lib
+from kvweave.eval.rows import (  # noqa: F401  (runner.read_rows etc. stay where callers find them)
+    _end_with_newline,
+    environment,
+    finished_keys,
+    iter_jsonl,
+    read_rows,
+)
 from kvweave.eval.summary import _median, add_speed_ratios, format_table, summarize  # noqa: F401
 from kvweave.prompt import chat_text
 from kvweave.registry import parse_method
@@ -434,46 +439,6 @@ def check_length(model: Any, prompt_tokens: int, beyond_trained: bool) -> None:
 # ----------------------------------------------------------------------------------------- run folder
 
 
-def environment() -> dict[str, Any]:
-    """Hardware, versions and git revision, written beside every run."""
-    try:
-        revision = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        revision = ""
-    import kvweave
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": TRANSFORMERS_VERSION,
-        "kvweave": kvweave.__version__,
-        "git": revision,
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-
-
-def finished_keys(rows_path: Path) -> set[str]:
-    """Keys of rows already written (a truncated last line from a crash is ignored)."""
-    keys: set[str] = set()
-    if rows_path.exists():
-        for line in rows_path.read_text().splitlines():
-            try:
-                keys.add(json.loads(line)["key"])
-            except (json.JSONDecodeError, KeyError):
-                continue
-    return keys
-
-
 def sample_mismatch(row: dict[str, Any], trial: Trial, config: EvalConfig) -> list[str]:
     """How a finished row differs from the row ``trial`` would write (empty when it is the same sample and
     generation settings). Fields a row does not record are not compared."""
@@ -520,27 +485,6 @@ def check_resumable(rows_path: Path, todo: list[Trial], config: EvalConfig) -> N
                 "A run folder holds one set of samples: give a new --out folder, or rerun with the options "
                 f"of {rows_path.parent / 'command.txt'} to resume it"
             )
-
-
-def _end_with_newline(path: Path) -> None:
-    """After a crash mid-write, start the next row on a line of its own (the torn one is ignored)."""
-    if path.exists() and path.stat().st_size:
-        with path.open("rb+") as handle:
-            handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":
-                handle.write(b"\n")
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows of a run folder (or a rows file)."""
-    rows_path = path / "rows.jsonl" if path.is_dir() else path
-    rows = []
-    for line in rows_path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def run(
@@ -611,8 +555,3 @@ def run(
     if out_dir is not None:
         return read_rows(out_dir)
     return rows
-
-
-def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows of a JSONL file."""
-    yield from read_rows(path)

@@ -1,5 +1,7 @@
 """Building kvweave's C++ CPU kernels on first use (``torch.utils.cpp_extension.load_inline``), once per machine.
 
+Each kernel's source is a ``.cpp`` file beside its Python module (:func:`source` reads it).
+
 Builds live under ``$KVWEAVE_HOME/kernels`` (:func:`build_folder`), not torch's own extension folder; a first
 build says so on stderr and how long it took.
 
@@ -15,6 +17,11 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+
+def source(filename: str) -> str:
+    """The C++ source ``filename`` kept beside the kernel modules (``kernels/*.cpp``, shipped as package data)."""
+    return (Path(__file__).resolve().parent / filename).read_text()
 
 
 def build_folder(name: str) -> Path:

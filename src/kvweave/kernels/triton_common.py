@@ -17,7 +17,10 @@ import os
 
 import torch
 
-from kvweave.ops.attention import attention_with_lse  # noqa: F401  (the kernels' reference)
+from kvweave.ops.attention import (
+    attention_with_lse,  # noqa: F401  (the kernels' reference)
+    merge_splits,  # noqa: F401  (the flash-decoding splits' merge)
+)
 
 try:  # triton is an optional extra (``pip install 'kvweave[gpu]'``)
     import triton  # noqa: F401
@@ -69,14 +72,3 @@ def split_count(programs: int, tiles: int, device: torch.device, splits: int | N
         else:
             splits = math.ceil(2 * _multiprocessors(device.index or 0) / max(1, programs))
     return max(1, min(int(splits), max(1, tiles)))
-
-
-def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials of the splits of the token axis, ``out: [..., S, R, D]`` and ``lse: [..., S, R]`` (``-inf``
-    where a split saw nothing), -> ``[..., R, D]`` and ``[..., R]``: the softmax over all tokens."""
-    if out.shape[-3] == 1:
-        return out.squeeze(-3), lse.squeeze(-2)
-    total = torch.logsumexp(lse, dim=-2)  # [..., R]; -inf where no split saw anything
-    safe = torch.where(torch.isinf(total), 0.0, total)
-    weights = torch.exp(lse - safe.unsqueeze(-2)).unsqueeze(-1)  # [..., S, R, 1]
-    return (weights * out).sum(-3), total

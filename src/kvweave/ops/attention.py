@@ -7,7 +7,8 @@
 - :class:`OnlineSoftmax`: attention accumulated over chunks of keys (running max / sum), for stores read
   part by part (quantized blocks).
 - :func:`fused_part_attention` + :func:`merge_parts`: attention over one part of the keys in torch's fused CPU
-  kernel, returning its log-sum-exp, and the exact softmax over the union of parts from those outputs.
+  kernel, returning its log-sum-exp, and the exact softmax over the union of parts from those outputs;
+  :func:`merge_splits`: the same merge over the splits of a kernel's grid (stacked partials).
 """
 
 from __future__ import annotations
@@ -168,3 +169,15 @@ def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.
         weights[0] * real[0][0].float(),
     )
     return out / total.clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials of the splits of the token axis (a flash-decoding kernel's grid), ``out: [..., S, R, D]`` and
+    ``lse: [..., S, R]`` (``-inf`` where a split saw nothing), -> ``[..., R, D]`` and ``[..., R]``: the softmax
+    over all tokens, as :func:`merge_parts` gives it for parts held apart."""
+    if out.shape[-3] == 1:
+        return out.squeeze(-3), lse.squeeze(-2)
+    total = torch.logsumexp(lse, dim=-2)  # [..., R]; -inf where no split saw anything
+    safe = torch.where(torch.isinf(total), 0.0, total)
+    weights = torch.exp(lse - safe.unsqueeze(-2)).unsqueeze(-1)  # [..., S, R, 1]
+    return (weights * out).sum(-3), total

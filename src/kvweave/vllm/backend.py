@@ -47,6 +47,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from kvweave.ops.attention import attention_with_lse
 from kvweave.vllm.config import ENV_METHOD, PageSlot, QuantSlot, VllmMethod
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
@@ -406,9 +407,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         blocks = pages[ids[chosen], head_index]  # [H, m, block_size, C]
         keys, values = layout.unpack(blocks.flatten(1, 2))  # [H, m * block_size, D]
         token = (chosen.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).flatten(1)
-        logits = (queries @ keys.float().transpose(1, 2)) * self.scale  # [H, g, T]
-        logits = logits.masked_fill((token >= seq_len).unsqueeze(1), float("-inf"))
-        out = torch.softmax(logits, dim=-1) @ values.float()  # [H, g, D]
+        visible = (token < seq_len).unsqueeze(1)  # [H, 1, T]
+        out, _ = attention_with_lse(queries, keys, values, visible, self.scale)  # [H, g, D]
         return out.reshape(1, self.num_heads, -1)
 
 

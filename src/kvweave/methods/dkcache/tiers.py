@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvweave.ops.attention import masked_softmax
 from kvweave.ops.quantize import dequantize_int8, quantize_int8
 from kvweave.state import Stateful
 
@@ -60,7 +61,7 @@ def measure_key_shift(
     scale = scaling if scaling is not None else d**-0.5
 
     def attend(shifted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(q @ shifted.transpose(-1, -2) * scale, dim=-1)
+        probs = masked_softmax(q @ shifted.transpose(-1, -2) * scale, None)
         return probs, probs @ v
 
     probs, out = attend(k)
