@@ -3,6 +3,8 @@ CPU prefill), attention over per-tier logits, and the steady tier's decoupling a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvweave._compat import mask_to_bool
@@ -324,3 +326,54 @@ def grouped_decoupling_bias(
     distinct = -alpha * ((q * m) @ cos.transpose(-1, -2) + (q * rotate_half(m)) @ sin.transpose(-1, -2))
     index = torch.arange(first_slot, first_slot + length, device=query_grouped.device) // group - low
     return distinct.index_select(-1, index)
+
+
+def compensated_parts(
+    query: torch.Tensor,
+    query_grouped: torch.Tensor,
+    far_parts: list[tuple[Part, torch.Tensor]],
+    tiers: list[tuple[Any, torch.Tensor | None]],
+    alpha: float,
+    table: RopeTable,
+    group: int,
+    core_size: int,
+    first: int,
+    q_len: int,
+    rows: int,
+) -> list[ScoredPart]:
+    """The scored parts of a decode step beyond the trained range, every position its slot (the fast path of
+    compensation: the same attention as :func:`concatenated_attention`, computed per tier).
+
+    Steady and far keys are held rotated at their grouped positions ``p // G`` (:class:`~.holding.KeyHolding`),
+    so they only meet the grouped query; every steady and far key is at least ``core`` tokens from the query,
+    hence never a neighbour. ``tiers``: ``(steady, its decoupling mean or None)`` then ``(core, None)``; the
+    (small) core tier is rotated at exact and grouped positions each step and its neighbours take the exact
+    logits; the steady decoupling enters as a logit bias at grouped positions. ``far_parts``: sinks and retrieved
+    pages (keys already grouped)."""
+    dtype = query.dtype
+    b, hq, n, d = query.shape
+    core = tiers[-1][0]
+    h = core.parts["keys"].view().shape[1]
+    q, qg = query.reshape(b, h, hq // h * n, d), query_grouped.reshape(b, h, hq // h * n, d)
+    parts: list[ScoredPart] = []
+    for (keys, values, _, slots), ok in far_parts:
+        parts.append((qg @ keys.to(qg.dtype).transpose(-1, -2), values, slots, ok))
+    for tier, mean in tiers:
+        if not len(tier):
+            continue
+        keys, values, positions = tier.read(dtype)
+        slots = torch.arange(tier.first_slot, tier.first_slot + len(tier), device=query.device)
+        if tier is not core:
+            logits = qg @ keys.to(qg.dtype).transpose(-1, -2)
+            if mean is not None:
+                logits = logits + grouped_decoupling_bias(
+                    query_grouped, mean, alpha, table, tier.first_slot, len(tier), group
+                )
+        else:
+            queries = torch.arange(first, first + q_len, device=query.device).view(-1, 1)
+            near = is_near(queries, slots.view(1, -1), core_size)  # [n, T] (positions are slots)
+            exact = q @ table.rotate(keys, positions).to(q.dtype).transpose(-1, -2)
+            far_logits = qg @ table.rotate(keys, positions // group).to(qg.dtype).transpose(-1, -2)
+            logits = torch.where(near.repeat(hq // h, 1), exact, far_logits)
+        parts.append((logits, values, slots.view(1, 1, -1).expand(rows, 1, -1), None))
+    return parts

@@ -17,14 +17,15 @@ from kvweave.methods.dkcache.attention import (
     ScoredPart,
     attend_parts,
     chunked_remapped_prefill,
+    compensated_parts,
     concatenated_attention,
     decoupling_bias,
     flash_remapped_prefill,
     prefill_visible,
     remapped_attention,
 )
-from kvweave.methods.dkcache.compensation import CompensationMixin
 from kvweave.methods.dkcache.far import PAGE_SCORES, FarTier, Part, far_device
+from kvweave.methods.dkcache.holding import KeyHolding
 from kvweave.methods.dkcache.positions import group_size, grouped_query, is_near
 from kvweave.methods.dkcache.stats import LayerStatsMixin
 from kvweave.methods.dkcache.tiers import Tier, decouple_keys
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from kvweave.methods.dkcache import DKCache
 
 
-class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
+class DKCacheLayer(LayerStatsMixin, CompressedLayer):
     """Core / steady / far tiers of one decoder layer (see the package docstring).
 
     Saved in a cache file: the tiers, how keys are held, the running decoupling sum, the ``attended`` budget and
@@ -87,14 +88,8 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         self.alpha = method.effective_alpha if method.decouple else 0.0
         self.pre_rope = method.key_storage == "pre_rope"
         self.position_limit = 0  # largest position held + 1 (the RoPE table covers it)
-        self.rotated = (
-            True  # held keys are post-RoPE (always with post_rope storage; pre_rope: until compensating)
-        )
-        self.aligned = True  # every held token's position is its slot
-        # while compensating on the fast path: steady and far keys (sinks, pages) are held rotated at positions
-        # p // held_group (the core stays pre-RoPE); None: every tier is held as ``rotated`` says
-        self.held_group: int | None = None
         self.table: RopeTable | None = cache.context.rope_table(layer_idx) if self.pre_rope else None
+        self.holding = KeyHolding(self.table)  # post-RoPE, pre-RoPE or grouped: the one place that says which
         self.pad: list[int] = []
         self.core_tier = Tier(quantized=False)
         self.steady_tier = Tier(quantized=method.bits == 8)
@@ -134,16 +129,30 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
             return [1] * self.rows
         return [group_size(length, self.core_size, self.trained) for length in step.row_lengths]
 
-    def _rotate_keys(
-        self, keys: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored keys -> (exact, grouped) keys as attention sees them; ``positions: [B, 1 or H, T]``.
-        Without compensation (keys held post-RoPE) the grouped keys are the exact ones."""
-        if self.table is None or self.rotated:
-            return keys, keys
-        exact = self.table.rotate(keys, positions)
-        grouped = exact if groups is None else self.table.rotate(keys, positions // groups.view(-1, 1, 1))
-        return exact, grouped
+    # -- how keys are held (saved as three fields of the layer, so cache files read as before)
+    @property
+    def rotated(self) -> bool:
+        return self.holding.rotated
+
+    @rotated.setter
+    def rotated(self, value: bool) -> None:
+        self.holding.rotated = bool(value)
+
+    @property
+    def aligned(self) -> bool:
+        return self.holding.aligned
+
+    @aligned.setter
+    def aligned(self, value: bool) -> None:
+        self.holding.aligned = bool(value)
+
+    @property
+    def held_group(self) -> int | None:
+        return self.holding.group
+
+    @held_group.setter
+    def held_group(self, value: int | None) -> None:
+        self.holding.group = None if value is None else int(value)
 
     def _grouped_query(
         self, query: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor
@@ -178,13 +187,15 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         if self.table is not None:
             self.position_limit = max(self.position_limit, *step.row_lengths)
             self.table.ensure(self.position_limit, key.device)
+        holding = self.holding
         if first == 0:
-            self.rotated = self.table is None or (self.method.hold_rotated and not grouped)
-            self.aligned = max(self.pad) == 0
-        elif grouped and self.rotated:
-            self._unrotate_held()
-        self.aligned = self.aligned and step.aligned
-        stored = key if self.rotated else self.table.unrotate(key, step.positions)  # type: ignore[union-attr]
+            holding.start(grouped, self.method.hold_rotated, padded=max(self.pad) > 0)
+        elif grouped and holding.as_seen and self.table is not None:
+            holding.unrotate_held(
+                [self.core_tier, self.steady_tier], self.far, self.device, self.chunk_elements
+            )
+        holding.aligned = holding.aligned and step.aligned
+        stored = holding.store(key, step.positions)
         self.seen += q_len
         self.core_tier.append(stored, value, step.positions, self.store_dtype)
         fast = self.method.path == "fast"
@@ -192,20 +203,20 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
             out = self._prefill_attention(
                 module, query, key, value, stored, attention_mask, step, groups, scaling, kwargs
             )
-        elif fast and groups is None and self.rotated:
+        elif fast and groups is None and holding.as_seen:
             out = self._exact_attention(query, attention_mask, scaling, first, q_len)
         elif (
             fast
             and groups is not None
-            and self.aligned
+            and holding.aligned
             and len(set(self.groups)) == 1
             and first >= self.trained
             and self.table is not None
         ):
             out = self._compensated_attention(query, attention_mask, step, groups, scaling, first, q_len)
         else:
-            if self.held_group is not None:
-                self._hold_grouped(None)
+            if holding.group is not None:
+                holding.hold_grouped(None, self.steady_tier, self.far, self.device, self.chunk_elements)
             out = self._tiered_attention(query, attention_mask, step, groups, scaling, first, q_len)
         self._retier()
         return out
@@ -307,9 +318,8 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
             if len(tier):
                 keys, values, positions = tier.read(dtype)
                 mean = self.steady_mean() if decoupled else None
-                if (
-                    mean is not None and self.rotated and self.table is not None
-                ):  # R(p)(k - a m) = R(p)k - a R(p)m
+                if mean is not None and self.holding.as_seen and self.table is not None:
+                    # R(p)(k - a m) = R(p)k - a R(p)m
                     keys = keys - self.alpha * self.table.rotate(
                         mean.to(keys.dtype).expand_as(keys), positions
                     )
@@ -326,7 +336,7 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
             for part, ok in self._far_parts(query if query_grouped is None else query_grouped, dtype):
                 parts.insert(0, part)
                 valid.insert(0, ok)
-        rotated = [self._rotate_keys(p[0], p[2], groups) for p in parts]  # per part: cos/sin shared by heads
+        rotated = [self.holding.as_attention(p[0], p[2], groups) for p in parts]  # cos/sin shared by heads
         out, self.last_entropy, self.last_attended = concatenated_attention(
             query,
             query_grouped,
@@ -342,6 +352,39 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         )
         self.decode_steps += 1
         return out
+
+    def _compensated_attention(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        step: StepPositions,
+        groups: torch.Tensor,
+        scaling: float,
+        first: int,
+        q_len: int,
+    ) -> torch.Tensor:
+        """Decode beyond the trained range, every position its slot: steady and far keys held at grouped
+        positions (:meth:`KeyHolding.hold_grouped`), attention per tier (:func:`compensated_parts`)."""
+        assert self.table is not None
+        group = self.groups[0]
+        self.holding.hold_grouped(group, self.steady_tier, self.far, self.device, self.chunk_elements)
+        query_grouped = grouped_query(self.table, query, step.positions, groups, self.core_size)
+        far = [] if self.far is None else self._far_parts(query_grouped, query.dtype, False)
+        mean = self.steady_mean() if self.alpha > 0 else None
+        parts = compensated_parts(
+            query,
+            query_grouped,
+            far,
+            [(self.steady_tier, mean), (self.core_tier, None)],
+            self.alpha,
+            self.table,
+            group,
+            self.core_size,
+            first,
+            q_len,
+            self.rows,
+        )
+        return self._attend_parts(parts, query.shape, attention_mask, scaling, first, q_len)
 
     def _exact_attention(
         self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, first: int, q_len: int
@@ -372,7 +415,7 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
                     None
                     if mean is None
                     else decoupling_bias(
-                        query, mean, self.alpha, self.table, positions, tier.first_slot, self.aligned
+                        query, mean, self.alpha, self.table, positions, tier.first_slot, self.holding.aligned
                     )
                 )
                 parts.append((keys, values, slots.view(1, 1, -1).expand(self.rows, 1, -1), None, bias))
@@ -457,10 +500,8 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
     def _refresh_summaries(self, dtype: torch.dtype) -> None:
         """Bring the far pages' min/max summaries up to date with how attention sees the keys this step."""
         assert self.far is not None
-        held_pre_rope = self.table is not None and not self.rotated and self.held_group is None
-        self.far.refresh_summaries(
-            dtype, self.device, self.groups, self.table if held_pre_rope else None, self.chunk_elements
-        )
+        table = self.table if self.holding.pre_rope_held else None
+        self.far.refresh_summaries(dtype, self.device, self.groups, table, self.chunk_elements)
 
     # -- moving tokens between tiers
     def _retier(self) -> None:
@@ -470,8 +511,7 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         if overflow > 0:
             slot = self.core_tier.first_slot
             keys, values, positions = self.core_tier.pop_front(overflow, dtype)
-            if self.held_group is not None:  # the core is pre-RoPE, steady keys are held at grouped positions
-                keys = self.table.rotate(keys, positions // self.held_group)  # type: ignore[union-attr]
+            keys = self.holding.into_steady(keys, positions)
             self.steady_tier.first_slot = slot if not len(self.steady_tier) else self.steady_tier.first_slot
             stored = self.steady_tier.append(keys, values, positions, self.store_dtype)
             self._update_mean(stored, positions, slot, +1)
@@ -499,10 +539,7 @@ class DKCacheLayer(CompensationMixin, LayerStatsMixin, CompressedLayer):
         ``key_storage="pre_rope"`` (held keys are de-rotated for it while they are held post-RoPE)."""
         if self.alpha <= 0:
             return
-        if self.held_group is not None and self.table is not None:
-            keys = self.table.unrotate(keys, positions // self.held_group)
-        elif self.rotated and self.table is not None:
-            keys = self.table.unrotate(keys, positions)
+        keys = self.holding.pre_rope(keys, positions)
         slots = torch.arange(first_slot, first_slot + keys.shape[2], device=self.device).view(1, -1)
         real = (slots >= self.pad_count.view(-1, 1)).double()  # type: ignore[union-attr]
         total = (keys.double() * real.view(real.shape[0], 1, -1, 1)).sum(2, keepdim=True)
