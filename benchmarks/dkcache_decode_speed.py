@@ -14,7 +14,7 @@ versions. Usage::
 
 Method specs are separated by ``;`` (they contain commas). ``full`` is always measured first. With
 ``--reference`` every ``dkcache`` spec is measured a second time through the general (reference) attention path
-(option ``path=reference``), labelled ``<spec> [general path]``, so a speed-up of the fast paths is a ratio
+(implementation setting ``path="reference"``), labelled ``<spec> [general path]``, so a speed-up of the fast paths is a ratio
 measured in the same process.
 """
 
@@ -41,7 +41,7 @@ GENERAL = " [general path]"
 def cache_method(label: str) -> Any:
     """The method a row measures: its spec, with ``path="reference"`` for a ``[general path]`` row."""
     if label.endswith(GENERAL):
-        return parse_method(label.removesuffix(GENERAL), path="reference")
+        return parse_method(label.removesuffix(GENERAL)).implementation(path="reference")  # type: ignore[attr-defined]
     return parse_method(label)
 
 

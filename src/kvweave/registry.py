@@ -82,6 +82,9 @@ class Method:
     # Options renamed since results were first written: old name -> new name. parse_method and the report
     # read old specs through this one table (kvweave.report.specs.canonical_spec).
     renamed_options: ClassVar[dict[str, str]] = {}
+    refused_options: ClassVar[dict[str, str]] = {}
+    """Names that are no option but that users try (``dkcache:decouple_values``): the one-line reason it is
+    refused, given instead of "unknown option"."""
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> CacheLayerMixin:
         """The cache layer object for decoder layer ``layer_idx`` (full-attention layers only)."""
@@ -292,6 +295,9 @@ def parse_method(spec: str | Method, **overrides: Any) -> Method:
             raise ValueError(f"{name}: option {current!r} is given twice in {spec.strip()!r}; give it once")
         options[current] = text.strip()
     overrides = {cls.renamed_options.get(key, key): value for key, value in overrides.items()}
+    for key in set(options) | set(overrides):
+        if key in cls.refused_options:
+            raise ValueError(cls.refused_options[key])
     unknown = sorted((set(options) | set(overrides)) - fields)
     if unknown:
         raise ValueError(f"{name}: unknown option(s) {unknown}; allowed: {sorted(fields) or 'none'}")

@@ -98,7 +98,7 @@ def test_alpha_and_profiles():
 
 def test_value_decoupling_and_int4_refused_with_reasons():
     with pytest.raises(ValueError, match="decouple_values=True is refused: values carry the content"):
-        DKCache(decouple_values=True)
+        parse_method("dkcache:decouple_values=true")
     with pytest.raises(ValueError, match="bits=4 is refused.*seed rule 5"):
         parse_method("dkcache:bits=4")
     assert DKCache(bits=8).bits == 8
@@ -110,19 +110,21 @@ def test_post_rope_storage_turns_compensation_off():
     assert not DKCache(rope_compensation=False).remaps_positions
 
 
-def test_attention_path_options():
-    """The kernels are chosen by options (no module switches); the defaults are the fast paths, omitted from the
-    spec, so plain ``dkcache`` stays ``dkcache``."""
+def test_attention_paths_are_implementation_settings():
+    """The fast paths are chosen inside (no option, no spec carries them); tests and benchmarks set the reference
+    on an instance with ``implementation``, which leaves the spec (and so every result row) unchanged."""
     assert DKCache().spec() == "dkcache"
     assert (DKCache().path, DKCache().hold_rotated, DKCache().flash_chunk) == ("fast", True, 1024)
-    assert (
-        parse_method("dkcache:path=reference,hold_rotated=false").spec()
-        == "dkcache:path=reference,hold_rotated=False"
-    )
+    reference = DKCache(pages=4).implementation(path="reference", hold_rotated=False, flash_chunk=7)
+    assert (reference.path, reference.hold_rotated, reference.flash_chunk) == ("reference", False, 7)
+    assert reference.spec() == "dkcache:pages=4" and DKCache().path == "fast"
+    for spec in ("dkcache:path=reference", "dkcache:hold_rotated=false", "dkcache:flash_chunk=64"):
+        with pytest.raises(ValueError, match="unknown option"):
+            parse_method(spec)
     with pytest.raises(ValueError, match=r"path='slow'.*'fast', 'reference'"):
-        parse_method("dkcache:path=slow")
+        DKCache().implementation(path="slow")
     with pytest.raises(ValueError, match="flash_chunk=0"):
-        DKCache(flash_chunk=0)
+        DKCache().implementation(flash_chunk=0)
 
 
 # ------------------------------------------------------------------------------------------- decoupling
@@ -413,16 +415,22 @@ def test_eval_rows_record_entries_attended_per_step(model):
     assert attended is not None and 12 <= attended <= 2 + 12 + 1 < 63  # sinks + steady bound + the new token
 
 
+def _implemented(spec: str, model, **settings):
+    """A cache of ``spec`` with DK-Cache's implementation settings (``path``, ``hold_rotated``,
+    ``flash_chunk``) set on the method: the fixture the fast paths are tested against the references with."""
+    return kvweave.make_cache(parse_method(spec).implementation(**settings), model)
+
+
 @pytest.mark.parametrize(("n", "chunk"), [(40, 7), (40, 64), (23, 5)])
 def test_fast_compensated_prefill_equals_reference(model, n, chunk):
     """The fused-kernel prefill (bulk / boundary / neighbour parts merged by log-sum-exp) against the chunked
     reference, beyond the trained range, for chunkings that do and do not align with it."""
     torch.manual_seed(3)
     ids = torch.randint(3, 150, (1, n))
-    spec = f"dkcache:core=4,steady=12,page=4,pages=100,sinks=2,bits=16,decouple=true,storage=model,trained_length=16,flash_chunk={chunk}"
+    spec = "dkcache:core=4,steady=12,page=4,pages=100,sinks=2,bits=16,decouple=true,storage=model,trained_length=16"
     outs = {}
     for fast in (False, True):
-        cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
+        cache = _implemented(spec, model, path="fast" if fast else "reference", flash_chunk=chunk)
         for layer in cache.layers:
             layer.chunk_elements = 4 * 40 * 12  # several query chunks in the reference
         with torch.no_grad():
@@ -468,9 +476,7 @@ def test_fast_decode_equals_general_path(model, batch, options, padded):
     spec = merge(SMALL, ",pages=2" + options)
     outs = []
     for fast, hold in ((True, True), (False, True), (False, False)):
-        cache = kvweave.make_cache(
-            spec + f",path={'fast' if fast else 'reference'},hold_rotated={hold}", model
-        )
+        cache = _implemented(spec, model, path="fast" if fast else "reference", hold_rotated=hold)
         outs.append(_generate(model, ids, mask, cache, new_tokens=10))
         assert cache.layers[0].rotated == (hold or "post_rope" in options)
         assert cache.layers[0].layer_stats()["tiers"]["far"] > 0
@@ -489,7 +495,7 @@ def test_held_keys_are_derotated_once_when_the_context_outgrows_the_trained_rang
     spec = "dkcache:core=4,steady=12,page=4,pages=3,sinks=2,bits=16,decouple=true,storage=model,trained_length=44"
     outs, caches = [], []
     for hold in (True, False):
-        cache = kvweave.make_cache(spec + f",hold_rotated={hold}", model)
+        cache = _implemented(spec, model, hold_rotated=hold)
         outs.append(_generate(model, ids, torch.ones_like(ids), cache, new_tokens=12))
         caches.append(cache)
     assert not caches[0].layers[0].rotated and caches[0].layers[0].groups[0] > 1
@@ -522,7 +528,7 @@ def test_fast_compensated_decode_equals_general_path(model, options):
     )
     outs, caches = [], []
     for fast in (True, False):
-        cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
+        cache = _implemented(spec, model, path="fast" if fast else "reference")
         outs.append(_generate(model, ids, torch.ones_like(ids), cache, new_tokens=30 if inside else 22))
         caches.append(cache)
     layer = caches[0].layers[0]
@@ -545,7 +551,7 @@ def test_compensated_padded_batch_takes_the_general_path(model, batch):
     spec = "dkcache:core=4,steady=12,page=4,pages=2,sinks=2,bits=16,decouple=true,storage=model,trained_length=24"
     outs = []
     for fast in (True, False):
-        cache = kvweave.make_cache(spec + (",path=fast" if fast else ",path=reference"), model)
+        cache = _implemented(spec, model, path="fast" if fast else "reference")
         outs.append(_generate(model, ids, mask, cache, new_tokens=6))
         assert cache.layers[0].held_group is None and cache.layers[0].groups[0] > 1
     assert torch.equal(outs[0].sequences, outs[1].sequences)

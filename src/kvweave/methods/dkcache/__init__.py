@@ -116,7 +116,7 @@ __all__ = [
 
 PROFILE_ALPHA = {"default": 0.38, "chat": 0.30, "code": 0.42}  # seed §四.2 and rule 1
 ALPHA_RANGE = (0.25, 0.5)
-PATHS = ("fast", "reference")  # option ``path``
+PATHS = ("fast", "reference")  # implementation setting ``path``
 VALUE_DECOUPLING_REFUSED = (
     "dkcache: option decouple_values=True is refused: values carry the content attention returns, so shifting "
     "them changes every output (seed rule 2: only keys carry the temporal coupling; decoupling V breaks the "
@@ -160,7 +160,6 @@ class DKCache(Method):
     profile: str = option(
         "default", "alpha preset: default 0.38, chat 0.30, code 0.42 (seed rule 1)", tuning=True
     )
-    decouple_values: bool = option(False, "refused: values are never decoupled (seed rule 2)", tuning=True)
     key_storage: str = option(
         "pre_rope",
         "pre_rope: keys de-rotated, decoupled pre-RoPE and rotated at attention "
@@ -203,23 +202,19 @@ class DKCache(Method):
         "a Triton kernel, CUDA), torch (the references) or auto (triton on CUDA, cpp on CPU when it builds)",
         tuning=True,
     )
-    path: str = option(
-        "fast",
-        "attention kernels: fast (fused CPU prefill beyond the trained range, decode logits "
-        "per tier with no tier copied) or reference (the general masked path over the "
-        "concatenated tiers, for testing)",
-        tuning=True,
-    )
-    hold_rotated: bool = option(
-        True,
-        "pre_rope storage: hold keys post-RoPE while every position is exact, "
-        "de-rotated once when compensation starts (false: pre-RoPE from the start, "
-        "attended keys rotated every step; the reference)",
-        tuning=True,
-    )
-    flash_chunk: int = option(
-        1024, "queries per chunk of the fused compensated prefill (path=fast)", tuning=True
-    )
+
+    # Implementation settings, not options: no spec string carries them, results do not depend on them (tests
+    # hold the fast paths equal to the reference), and tests and benchmarks set them on an instance with
+    # :meth:`implementation`.
+    path: ClassVar[str] = "fast"
+    """``fast``: the fused CPU prefill beyond the trained range and decode logits per tier with no tier copied;
+    ``reference``: the general masked path over the concatenated tiers."""
+    hold_rotated: ClassVar[bool] = True
+    """pre-RoPE storage: hold keys post-RoPE while every position is exact, de-rotated once when compensation
+    starts (``False``: pre-RoPE from the start, attended keys rotated every step; the reference)."""
+    flash_chunk: ClassVar[int] = 1024
+    """Queries per chunk of the fused compensated prefill (``path="fast"``)."""
+    refused_options: ClassVar[dict[str, str]] = {"decouple_values": VALUE_DECOUPLING_REFUSED}
 
     evicts = True  # per-step attention sees a subset; retrieve=never drops the far tier
     needs_positions = True
@@ -247,13 +242,9 @@ class DKCache(Method):
         ({"entropy_threshold": 2.0}, "entropy_threshold"),
         ({"key_storage": "post_rope", "rope_compensation": True}, "rope_compensation"),
         ({"trained_length": 1}, "trained_length"),
-        ({"path": "slow"}, "path"),
-        ({"flash_chunk": 0}, "flash_chunk"),
     )
 
     def __post_init__(self) -> None:
-        if self.decouple_values:
-            raise ValueError(VALUE_DECOUPLING_REFUSED)
         if self.bits == 4:
             raise ValueError(INT4_REFUSED)
         self.check_choice("bits", [8, 16])
@@ -279,13 +270,29 @@ class DKCache(Method):
         self.check_choice("far_dtype", ["model", "int8"])
         self.check_choice("storage", STORAGE_CHOICES)
         self.check_choice("kernel", BACKENDS)
-        self.check_choice("path", PATHS)
-        self.check_range("flash_chunk", 1)
         if self.rope_compensation and self.key_storage == "post_rope":
             raise ValueError(
                 "dkcache: option rope_compensation=True needs key_storage='pre_rope' (keys are rotated "
                 "at remapped positions at attention time); allowed with post_rope: False or None"
             )
+
+    def implementation(
+        self, path: str | None = None, hold_rotated: bool | None = None, flash_chunk: int | None = None
+    ) -> DKCache:
+        """A copy of this method with implementation settings changed (tests and benchmarks compare the fast
+        paths against the references with it; the spec, and so every result row, is the same)."""
+        chosen = dataclasses.replace(self)
+        if path is not None:
+            if path not in PATHS:
+                raise ValueError(f"dkcache: path={path!r}; allowed: {', '.join(map(repr, PATHS))}")
+            chosen.path = path  # type: ignore[misc]
+        if hold_rotated is not None:
+            chosen.hold_rotated = bool(hold_rotated)  # type: ignore[misc]
+        if flash_chunk is not None:
+            if flash_chunk < 1:
+                raise ValueError(f"dkcache: flash_chunk={flash_chunk} must be >= 1")
+            chosen.flash_chunk = int(flash_chunk)  # type: ignore[misc]
+        return chosen
 
     @property
     def effective_alpha(self) -> float:
