@@ -22,6 +22,7 @@ pytest.importorskip("vllm.v1.attention.backend", reason="vLLM is not installed (
 import torch  # noqa: E402
 
 from kvweave.ops.quantize import dequantize, quantize  # noqa: E402
+from kvweave.vllm.backend import ENV_KERNEL  # noqa: E402
 from kvweave.vllm.config import PageSlot, QuantSlot, VllmMethod  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,9 +229,11 @@ def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     """float32 (no bf16 logit ties): vLLM's backend, pages (exact storage), quant at 8 and 4 bits."""
     out = tmp_path_factory.mktemp("tiny-runs")
     runs = {}
-    for method in ("none", "pages", "quant:bits=8", "quant:bits=4"):
-        name = method.replace(":", "-").replace("=", "")
-        runs[method] = bench(
+    for method in ("none", "pages", "quant:bits=8", "quant:bits=4", "quant:bits=4 torch"):
+        name = method.replace(":", "-").replace("=", "").replace(" ", "-")
+        os.environ[ENV_KERNEL] = "torch" if method.endswith(" torch") else "auto"
+        method = method.removesuffix(" torch")
+        runs[method if os.environ[ENV_KERNEL] == "auto" else f"{method} torch"] = bench(
             "generate",
             "--model",
             str(tiny),
@@ -241,6 +244,7 @@ def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
             "--out",
             str(out / f"{name}.json"),
         )
+    os.environ.pop(ENV_KERNEL, None)
     return runs
 
 
@@ -252,6 +256,17 @@ def test_tiny_quant8_greedy_tokens_differ_only_at_near_ties(tiny_runs: dict[str,
     result = agreement(tiny_runs["none"], tiny_runs["quant:bits=8"], TIE)
     assert result["confident_mismatches"] == 0, result
     assert sum(p["matched"] for p in result["prompts"]) >= len(result["prompts"]) * 16 // 2, result
+
+
+def test_tiny_quant_decode_kernel_gives_the_torch_paths_tokens(tiny_runs: dict[str, dict[str, Any]]) -> None:
+    """Decode steps read the packed blocks in the fused C++ kernel (counted), and the greedy tokens agree with
+    the torch path's (gather, dequantize, SDPA) except where the two paths' top-2 logits are near a tie."""
+    fused, reference = tiny_runs["quant:bits=4"], tiny_runs["quant:bits=4 torch"]
+    assert (
+        fused["stats"].get("fused_decode_rows", 0) > 0 and reference["stats"].get("fused_decode_rows", 0) == 0
+    )
+    result = agreement(reference, fused, TIE)
+    assert result["confident_mismatches"] == 0, result
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -318,6 +333,7 @@ def qwen_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
             "--out",
             str(out / f"{name}.json"),
         )
+    os.environ.pop(ENV_KERNEL, None)
     return runs
 
 

@@ -10,8 +10,12 @@ Storage (:mod:`kvweave.vllm.config`): ``quant`` writes values per token at once 
 :class:`KeyResidual` — exact until their ``key_group`` of tokens is complete, then per channel into the page
 (KIVI); ``pages`` writes exact K/V and refreshes the written blocks' key summaries.
 
-Attention is pure torch (gather the request's blocks, unpack/dequantize, SDPA), not a fused kernel:
+Attention:
 
+- a ``quant`` decode step (one new token) reads the request's blocks in a fused C++ kernel
+  (:mod:`kvweave.kernels.cpu_vllm_quant`: codes and scales read once, an online softmax, no dequantized copy),
+  merged with the new token's exact key and value by log-sum-exp; ``KVWEAVE_VLLM_KERNEL=torch`` (or a machine
+  where the kernel does not build) takes the torch path below instead, which the kernel is tested against;
 - new tokens (prefill chunks and decode steps) attend to themselves exactly, as given by the model, and to the
   request's earlier tokens as stored (dequantized for ``quant``, the unfinished key group exact) — kvweave's
   transformers path also runs the prompt's attention exact and quantizes as it stores;
@@ -47,13 +51,23 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvweave.ops.attention import attention_with_lse
+from kvweave.kernels.registry import Kernel, choose
+from kvweave.ops.attention import attention_with_lse, merge_parts
 from kvweave.vllm.config import ENV_METHOD, PageSlot, QuantSlot, VllmMethod
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
+ENV_KERNEL = "KVWEAVE_VLLM_KERNEL"
+"""``auto`` (default: the fused C++ decode kernel for ``quant`` when it builds) or ``torch`` (the reference)."""
+QUANT_DECODE = Kernel("vllm quant decode attention", cpp="kvweave.kernels.cpu_vllm_quant")
 QUERY_CHUNK = 1024  # query rows per SDPA call in prefill chunks that read cached tokens (bounds the mask)
 
-STATS: dict[str, int] = {"decode_rows": 0, "blocks_read": 0, "blocks_held": 0, "summary_blocks_read": 0}
+STATS: dict[str, int] = {
+    "decode_rows": 0,
+    "blocks_read": 0,
+    "blocks_held": 0,
+    "summary_blocks_read": 0,
+    "fused_decode_rows": 0,
+}
 """Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
 blocks the requests held, and blocks whose summary was read (``pages``). ``KVWEAVE_VLLM_STATS=path``
 writes them there as JSON every 256 decode calls and at the end of each call that crosses that count."""
@@ -327,6 +341,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         and its new tokens (exact)."""
         n = q.shape[0]
         cached = seq_len - n
+        if n == 1 and cached > 0 and isinstance(layout, QuantSlot) and self._fused_decode(q.device):
+            return self._fused_quant_decode(q, k_new, v_new, pages, layout, table, seq_len)
         keys, values = k_new.transpose(0, 1).float(), v_new.transpose(0, 1).float()  # [H, n, D]
         if cached > 0:
             block_size = pages.shape[2]
@@ -358,6 +374,44 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 )
             )
         return torch.cat(pieces, dim=1).transpose(0, 1)
+
+    @staticmethod
+    def _fused_decode(device: torch.device) -> bool:
+        """Whether ``quant`` decode steps run the fused C++ kernel (``KVWEAVE_VLLM_KERNEL``, the machine)."""
+        choice = os.environ.get(ENV_KERNEL, "auto").strip() or "auto"
+        if choice not in ("auto", "cpp", "torch"):
+            raise ValueError(f"{ENV_KERNEL}={choice!r}; allowed: auto, cpp, torch")
+        return choose(QUANT_DECODE, choice, device) == "cpp"
+
+    def _fused_quant_decode(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pages: torch.Tensor,
+        layout: QuantSlot,
+        table: torch.Tensor,
+        seq_len: int,
+    ) -> torch.Tensor:
+        """One decode row ``q: [1, Hq, D]``: the stored tokens in the fused kernel, the new one exact, merged."""
+        from kvweave.kernels import cpu_vllm_quant
+
+        heads, block_size, cached = self.num_kv_heads, pages.shape[2], seq_len - 1
+        held = -(-cached // block_size)
+        ids = table[:held].long()
+        quantized = seq_len // layout.key_group * layout.key_group  # tokens in finished key groups
+        residual = None
+        if quantized < cached:  # the unfinished key group's exact keys wait in the residual
+            assert self.residual is not None
+            row = self.residual.rows_of(ids[quantized // block_size : quantized // block_size + 1])[0]
+            residual = self.residual.keys[row]  # [H, block_size, D]
+        queries = q[0].float().view(heads, self.group_size, -1)  # [H, g, D]
+        stored = cpu_vllm_quant.decode(queries, pages, ids, residual, cached, quantized, layout, self.scale)
+        key, value = k_new[0].float(), v_new[0].float()  # [H, D]
+        new_lse = (queries * key.unsqueeze(1)).sum(-1) * self.scale  # [H, g]
+        out = merge_parts([stored, (value.unsqueeze(1).expand_as(queries), new_lse)])
+        _add_stats(blocks_read=held * heads, blocks_held=held * heads, fused_decode_rows=1)
+        return out.reshape(1, self.num_heads, -1)
 
     def _stored(
         self, pages: torch.Tensor, layout: QuantSlot | PageSlot, ids: torch.Tensor, cached: int, seq_len: int

@@ -1,0 +1,78 @@
+"""The fused CPU decode kernel for kvweave's vLLM ``quant`` blocks against its torch reference (the backend's
+own unpack + attention), on blocks written the way the backend writes them (engine-free: the layout is torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.kernels import cpu_vllm_quant
+from kvweave.vllm.config import QuantSlot
+
+pytestmark = pytest.mark.skipif(
+    cpu_vllm_quant.load() is None, reason=f"C++ kernel not buildable: {cpu_vllm_quant.unavailable_reason()}"
+)
+
+
+def _written(layout: QuantSlot, keys: torch.Tensor, values: torch.Tensor, ids: list[int], quantized: int):
+    """Pages holding ``keys, values: [N, H, D]`` in blocks ``ids`` as the backend writes them: values packed per
+    token, keys of every finished group quantized per channel with their header in the block's tails, and the
+    exact keys of the unfinished group's block returned as the residual ``[H, block_size, D]``."""
+    n, heads, dim = keys.shape
+    size = layout.block_size
+    pages = torch.randint(0, 256, (max(ids) + 2, heads, size, layout.nbytes), dtype=torch.uint8)  # garbage
+    c, start = layout.code_bytes, layout.code_bytes + layout.value_bytes
+    for i in range(n):
+        pages[ids[i // size], :, i % size, c : c + layout.value_bytes] = layout.pack_values(
+            values[i : i + 1]
+        )[0]
+    for first in range(0, quantized, layout.key_group):
+        block, offset = ids[first // size], first % size
+        group = keys[first : first + layout.key_group].transpose(0, 1).unsqueeze(0)  # [1, H, kg, D]
+        codes, header = layout.quantize_keys(group)
+        pages[block, :, offset : offset + layout.key_group, :c] = codes[0]
+        tails = pages[block, :, :, start:].flatten(-2).clone()
+        g, width = offset // layout.key_group, header.shape[-1]
+        tails[:, g * width : (g + 1) * width] = header[0]
+        pages[block, :, :, start:] = tails.unflatten(-1, (size, -1))
+    residual = torch.randn(heads, size, dim)
+    if quantized < n:
+        base = quantized // size * size
+        residual[:, quantized - base : n - base] = keys[quantized:n].transpose(0, 1)
+    return pages, residual
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(
+    ("tokens", "quantized", "heads", "groups", "dim", "block", "key_group", "group"),
+    [
+        (100, 96, 2, 7, 64, 32, 16, 32),  # qwen-like: 7 query heads per KV head, a partial key group
+        (64, 64, 1, 1, 32, 16, 16, 0),  # every group finished, one value group per head
+        (37, 32, 3, 2, 16, 8, 8, 8),  # a partial last block
+        (5, 0, 2, 4, 16, 16, 16, 16),  # nothing quantized yet: every key from the residual
+    ],
+)
+def test_decode_matches_the_torch_path(bits, tokens, quantized, heads, groups, dim, block, key_group, group):
+    torch.manual_seed(bits + tokens)
+    layout = QuantSlot(dim, bits, group or dim, key_group, block)
+    keys = torch.randn(tokens, heads, dim) * 2 + torch.randn(dim)
+    values = torch.randn(tokens, heads, dim)
+    held = -(-tokens // block)
+    ids = torch.randperm(held + 3)[:held]
+    pages, residual = _written(layout, keys, values, ids.tolist(), quantized)
+    query = torch.randn(heads, groups, dim)
+    args = (query, pages, ids, residual, tokens, quantized, layout, dim**-0.5)
+    want_out, want_lse = cpu_vllm_quant.decode_reference(*args)
+    for splits in (1, 3):
+        out, lse = cpu_vllm_quant.decode(*args, splits=splits)
+        torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_of_nothing_is_empty():
+    layout = QuantSlot(16, 4, 16, 16, 16)
+    pages = torch.zeros(2, 1, 16, layout.nbytes, dtype=torch.uint8)
+    out, lse = cpu_vllm_quant.decode(
+        torch.randn(1, 2, 16), pages, torch.tensor([0]), None, 0, 0, layout, 0.25
+    )
+    assert (out == 0).all() and torch.isneginf(lse).all()
