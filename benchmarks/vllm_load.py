@@ -367,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                     "context": args.context, "prompt_tokens": statistics.mean(len(ids) for ids, _ in samples),
                     "max_tokens": args.tokens, "dtype": args.dtype, "kv_space_gib": args.kv_space,
                     "kv_tokens": capacity, **point, "versions": versions(), "time": time.strftime("%F %T"),
+                    # the decode kernel kvweave's quant ran (KVWEAVE_VLLM_KERNEL: auto = fused C++, torch)
+                    "kernel": None if method == "none" else os.environ.get("KVWEAVE_VLLM_KERNEL", "auto"),
                 }  # fmt: skip
                 with rows_path.open("a") as handle:
                     handle.write(json.dumps(row) + "\n")

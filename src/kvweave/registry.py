@@ -257,6 +257,31 @@ def _as(kind: Any, text: str) -> Any:
     return None
 
 
+def split_spec(spec: str, renamed: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """``"name:key=value,..."`` -> ``(name, {key: text})``: the one reading of a spec string (kvweave's methods
+    and the vLLM plugin's). ``renamed``: old option names read under their current ones. Refused with a one-line
+    ``ValueError``: nothing after ``:``, an empty option, an option without ``=``, an option given twice."""
+    name, colon, rest = spec.strip().partition(":")
+    name = name.strip()
+    if colon and not rest.strip():
+        raise ValueError(
+            f"{name}: nothing after ':' in {spec.strip()!r}; give options as {name}:key=value or drop the ':'"
+        )
+    options: dict[str, str] = {}
+    for item in (p.strip() for p in rest.split(",")) if rest.strip() else ():
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not item:
+            raise ValueError(f"{name}: an empty option in {spec.strip()!r}; remove the extra ','")
+        if not eq or not key:
+            raise ValueError(f"{name}: option {item!r} needs the form key=value")
+        current = (renamed or {}).get(key, key)
+        if current in options:
+            raise ValueError(f"{name}: option {current!r} is given twice in {spec.strip()!r}; give it once")
+        options[current] = text.strip()
+    return name, options
+
+
 def parse_method(spec: str | Method, **overrides: Any) -> Method:
     """A :class:`Method` from ``"name"``, ``"name:key=value,key=value"`` or an instance (+ keyword options).
 
@@ -278,22 +303,7 @@ def parse_method(spec: str | Method, **overrides: Any) -> Method:
         )
     cls = METHODS[name]
     fields = {f.name for f in dataclasses.fields(cls)}
-    if colon and not rest.strip():
-        raise ValueError(
-            f"{name}: nothing after ':' in {spec.strip()!r}; give options as {name}:key=value or drop the ':'"
-        )
-    options: dict[str, Any] = {}
-    for item in (p.strip() for p in rest.split(",")) if rest.strip() else ():
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not item:
-            raise ValueError(f"{name}: an empty option in {spec.strip()!r}; remove the extra ','")
-        if not eq or not key:
-            raise ValueError(f"{name}: option {item!r} needs the form key=value")
-        current = cls.renamed_options.get(key, key)
-        if current in options:
-            raise ValueError(f"{name}: option {current!r} is given twice in {spec.strip()!r}; give it once")
-        options[current] = text.strip()
+    options: dict[str, Any] = split_spec(spec, cls.renamed_options)[1]
     overrides = {cls.renamed_options.get(key, key): value for key, value in overrides.items()}
     for key in set(options) | set(overrides):
         if key in cls.refused_options:

@@ -98,6 +98,8 @@ def test_bad_method_specs_fail_with_one_line() -> None:
         ("h2o", "choose from"),
         ("quant:rank=2", "cannot read"),
         ("dkcache:top_blocks=8", "'pages'"),  # the old name of the page retrieval: not DK-Cache itself
+        ("quant:bits=4,bits=2", "given twice"),  # read by the registry's spec reader, as every spec is
+        ("quant:", "nothing after ':'"),
     ):
         with pytest.raises(ValueError, match=word) as error:
             VllmMethod.parse(spec)

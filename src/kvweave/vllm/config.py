@@ -90,21 +90,26 @@ class VllmMethod:
 
 @functools.lru_cache(maxsize=32)
 def _parse(spec: str) -> VllmMethod:
-    name, _, rest = spec.partition(":")
+    """A spec read as kvweave reads every spec (:func:`kvweave.registry.split_spec`), options checked here."""
+    from kvweave.registry import split_spec
+
     fields = {f.name: f.type for f in dataclasses.fields(VllmMethod) if f.name != "name"}
+    try:
+        name, texts = split_spec(spec)
+    except ValueError as error:
+        raise ValueError(f"{ENV_METHOD}: {error}") from None
     options: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = part.partition("=")
-        if not eq or key not in fields:
+    for key, value in texts.items():
+        if key not in fields:
             raise ValueError(
-                f"{ENV_METHOD}: cannot read {part!r} in {spec!r}; write name:option=value,... with options "
+                f"{ENV_METHOD}: cannot read {key}={value} in {spec!r}; write name:option=value,... with options "
                 f"from {sorted(fields)}"
             )
         try:
             options[key] = int(value)
         except ValueError:
             raise ValueError(f"{ENV_METHOD}: option {key}={value!r} must be an integer") from None
-    return VllmMethod(name.strip(), **options)  # type: ignore[arg-type]
+    return VllmMethod(name, **options)  # type: ignore[arg-type]
 
 
 def _aligned(nbytes: int) -> int:
