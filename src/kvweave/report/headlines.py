@@ -40,6 +40,9 @@ class Headline:
     where: tuple[tuple[str, Any], ...] = ()
     summary: str = "median"
     scale: float = 1.0
+    kvweave_spec: bool = (
+        True  # False: ``method`` is no kvweave spec (vLLM's ``KVWEAVE_VLLM_METHOD``, ``none``)
+    )
 
     def select(self, root: Path = ROOT) -> list[dict[str, Any]]:
         """The rows this figure summarises (error when none: a figure with no rows is not a figure)."""
@@ -59,7 +62,7 @@ class Headline:
         rows = self.select(root)
         values = [float(r[self.field]) * self.scale for r in rows]
         text = _SUMMARIES[self.summary](values, self.fmt)
-        older = older_configuration(self.method, rows)
+        older = older_configuration(self.method, rows) if self.kvweave_spec else None
         return f"{text} (rows of `{older}`, an older configuration)" if older else text
 
 
@@ -190,6 +193,21 @@ HEADLINES: dict[str, Headline] = {
         (("task", "niah_multikey"), ("context", 4096)),
         summary="range",
     ),
+    **{
+        f"vllm-{name}-tpot-c1": Headline(
+            "docs/data/vllm/load-1k-kernel-loaded/rows.jsonl",
+            method,
+            "tpot_median_s",
+            "{:.3f}",
+            (("concurrency", 1), ("kernel", kernel)),
+            kvweave_spec=False,
+        )
+        for name, method, kernel in (
+            ("none", "none", None),
+            ("q4", "quant:bits=4", "auto"),
+            ("q4torch", "quant:bits=4", "torch"),
+        )
+    },
 }
 """Every headline figure of the README and the findings, by the name its span carries."""
 
