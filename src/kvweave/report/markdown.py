@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from kvweave.report import data, guide, page
+from kvweave.report.cells import BENCH_HEADER, PPL_HEADER, _num, bench_cells, ppl_cells
 from kvweave.report.data import Run
 from kvweave.report.guide import NO_LOSS_POINTS
 
@@ -20,10 +21,6 @@ def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
-
-
-def _num(value: Any, pattern: str) -> str:
-    return "-" if value is None else pattern % value
 
 
 def _cell(accuracy: float | None, n: int) -> str:
@@ -64,86 +61,10 @@ def overview_table(summary: list[dict[str, Any]], context: int | None = None) ->
     return _table(header, rows, ["l"] + ["r"] * (len(header) - 1))
 
 
-PPL_HEADER = [
-    "model",
-    "corpus",
-    "window (scored)",
-    "method",
-    "windows",
-    "compression",
-    "perplexity",
-    "vs full",
-]
-
-
-def ppl_cells(entry: dict[str, Any]) -> list[str]:
-    """One perplexity line: the setting, the method, and perplexity against ``full`` of the same setting."""
-    change = entry.get("ppl_vs_full")
-    return [
-        str(entry.get("model")),
-        str(entry.get("corpus")),
-        f"{entry.get('window')} ({entry.get('target')}{', stepwise' if entry.get('stepwise') else ''})",
-        f"`{entry['method']}`",
-        str(entry["n"]),
-        _num(entry.get("compression"), "%.2fx"),
-        f"{entry['ppl']:.2f}",
-        "-" if change is None else f"{100 * change:+.1f}%",
-    ]
-
-
 def perplexity_markdown(entries: list[dict[str, Any]]) -> str:
     """The perplexity table (``kvweave ppl`` runs): each window's prefix is prefilled and compressed, then its
     last tokens are scored through the same cache."""
     return _table(PPL_HEADER, [ppl_cells(e) for e in entries], ["l", "l", "r", "l", "r", "r", "r", "r"])
-
-
-BENCH_HEADER = [
-    "method",
-    "context",
-    "batch",
-    "ms/token",
-    "tok/s",
-    "speedup",
-    "bound",
-    "achieved/bound",
-    "KV MiB held",
-    "KV MiB read",
-    "prefill s",
-    "overhead s",
-    "peak MiB",
-]
-
-
-def _speed(value: Any) -> str:
-    """ms or tok/s with three or four significant digits: 0.84, 7.04, 14.2, 142."""
-    if value is None:
-        return "-"
-    value = float(value)
-    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
-
-
-def _mib(value: Any, pattern: str = "%.2f") -> str:
-    return "-" if value is None else pattern % (value / 2**20)
-
-
-def bench_cells(row: dict[str, Any]) -> list[str]:
-    """One ``kvweave bench`` point: step time and throughput, speedup against ``full`` beside its bound, the
-    KV bytes held and read per step, prefill and its overhead over ``full``'s, and peak memory."""
-    return [
-        f"`{row['method']}`",
-        str(row["context"]),
-        str(row["batch"]),
-        _speed(row.get("ms_per_token")),
-        _speed(row.get("tok_s")),
-        _num(row.get("speedup"), "%.2fx"),
-        _num(row.get("bound"), "%.2fx"),
-        "-" if row.get("of_bound") is None else f"{100 * row['of_bound']:.0f}%",
-        _mib(row.get("kv_bytes")),
-        _mib(row.get("kv_read_bytes")),
-        _num(row.get("prefill_s"), "%.2f"),
-        _num(row.get("overhead_s"), "%+.2f"),
-        _mib(row.get("peak_bytes"), "%.0f"),
-    ]
 
 
 BENCH_INTRO = (

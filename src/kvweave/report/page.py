@@ -270,7 +270,7 @@ def summary_table(summary: list[dict[str, Any]]) -> str:
 
 def perplexity_table(entries: list[dict[str, Any]]) -> str:
     """Perplexity per setting and method, with the change against ``full`` on the same windows."""
-    from kvweave.report.markdown import PPL_HEADER, ppl_cells
+    from kvweave.report.cells import PPL_HEADER, ppl_cells
 
     head = "".join(
         f'<th class="{"name" if c in ("model", "corpus", "method") else ""}">{c}</th>' for c in PPL_HEADER
@@ -474,7 +474,7 @@ def bench_gap_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, st
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
     """One line per bench point: speed, speedup beside its bound, KV bytes held and read, prefill, peak."""
-    from kvweave.report.markdown import BENCH_HEADER, bench_cells
+    from kvweave.report.cells import BENCH_HEADER, bench_cells
 
     head = '<th class="name">method</th>' + "".join(f"<th>{escape(c)}</th>" for c in BENCH_HEADER[1:])
     body = []
