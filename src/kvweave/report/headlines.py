@@ -195,7 +195,7 @@ HEADLINES: dict[str, Headline] = {
     ),
     **{
         f"vllm-{name}-tpot-c1": Headline(
-            "docs/data/vllm/load-1k-kernel-loaded/rows.jsonl",
+            "docs/data/vllm/load-1k-kernel/rows.jsonl",
             method,
             "tpot_median_s",
             "{:.3f}",
