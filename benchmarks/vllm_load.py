@@ -9,7 +9,8 @@ number of requests, each streamed (time to first token, time per output token), 
 second (queue length, KV-cache use) and read before and after (preemptions).
 
 One JSON row per (method, concurrency) is appended to ``--out``/rows.jsonl as it finishes; a rerun of the same
-command skips the rows already there (``--restart`` measures again). ``kvweave report`` does not draw these yet;
+command skips the rows already there (``--restart`` measures again). ``kvweave report OUT`` draws them (output
+tokens/s, time per output token and time to first token against concurrency, per method) and
 ``python benchmarks/vllm_load.py --table OUT`` prints them. Runs in the vLLM venv (``scripts/vllm_env.sh``):
 
     .venv-vllm/bin/python benchmarks/vllm_load.py --model ~/.cache/kvweave/models/qwen2.5-coder-0.5b \\

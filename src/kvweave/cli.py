@@ -259,14 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTML report + markdown summary from run folders and bench files",
         description="Write one self-contained HTML page (NIAH heatmaps, accuracy-vs-compression "
         "frontiers, memory and speed vs context, tables; with `kvweave bench` rows, decode tok/s vs context, "
-        "speedup vs compression beside its bandwidth bound, and their tables) from one or more run folders "
-        "or bench files, and optionally a markdown summary with the commands that produced them.",
+        "speedup vs compression beside its bandwidth bound, and their tables; with `benchmarks/vllm_load.py` "
+        "rows, output tok/s, time per output token and time to first token against concurrency) from one or "
+        "more run folders or bench files, and optionally a markdown summary with the commands that produced "
+        "them.",
     )
     p.add_argument(
         "runs",
         nargs="+",
-        help="run folders (written by `kvweave eval --out`, `kvweave ppl --out` or `kvweave demo`; a folder "
-        "may hold bench.jsonl) or JSONL files of `kvweave bench --out FILE.jsonl` rows",
+        help="run folders (written by `kvweave eval --out`, `kvweave ppl --out`, `kvweave demo` or "
+        "`benchmarks/vllm_load.py --out`; a folder may hold bench.jsonl) or JSONL files of `kvweave bench --out "
+        "FILE.jsonl` rows",
     )
     p.add_argument("-o", "--output", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--md", help="also write a markdown summary here")

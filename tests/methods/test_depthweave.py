@@ -482,3 +482,33 @@ def test_held_bytes_track_compression_over_a_long_decode(model):
     assert all(3.0 * 0.85 <= r <= 3.0 * 1.15 for r in ratios), ratios
     exact = sum(store.token_counts["exact"] for g in cache.context.groups.values() for store in g.rows)
     assert exact > 0.1 * 400  # the decoded tokens the bases fit worst are held exact
+
+
+def test_recent_share_grows_the_exact_window_inside_the_budget(model):
+    """``recent_share``: while decoding, the exact newest tokens grow to that share of the byte budget (never below
+    ``recent``), and the held bytes still track ``compression`` (the exact rows of later folds pay for them)."""
+    from kvweave.registry import METHODS, parse_method
+
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0}
+    caches = {
+        share: kvweave.make_cache(
+            parse_method("depthweave", **options, recent_share=share), model, tokenizer=_Vocab({})
+        )
+        for share in (0.0, 0.5)
+    }
+    ids = _ids(400, seed=0)
+    ratios = []
+    with torch.no_grad():
+        for share, cache in caches.items():
+            model(ids[:, :96], **{cache_kwarg(model): cache})
+            assert all(layer.recent_count() == 8 for layer in cache.layers)  # prefill keeps ``recent``
+            for t in range(96, 400):
+                model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
+                if share and t >= 150 and t % 25 == 0:
+                    ratios.append(cache.full_kv_bytes(bits=16) / cache.nbytes())
+    plain, shared = (caches[s].layers[0].recent_count() for s in (0.0, 0.5))
+    assert plain < 8 + 8  # recent + block
+    group = caches[0.5].context.groups[0]
+    wanted = group.wanted_window(400)  # half the budget in exact tokens (each a little over 16 bits)
+    assert wanted > 50 and wanted - 8 <= shared <= wanted + 8  # the share of the budget, within a block
+    assert all(3.0 * 0.85 <= r <= 3.0 * 1.15 for r in ratios), ratios

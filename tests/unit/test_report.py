@@ -14,6 +14,7 @@ import struct
 import subprocess
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -916,3 +917,64 @@ def test_cli_report_bench_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     printed = capsys.readouterr().out
     assert "4 bench rows" in printed and str(tmp_path / "cells-bench.csv") in printed
     assert (tmp_path / "cells-bench.csv").is_file()
+
+
+def _serving_row(method: str, concurrency: int, tpot: float, kernel: str | None = None) -> dict[str, Any]:
+    return {
+        "kind": "vllm_load",
+        "method": method,
+        "kernel": kernel,
+        "concurrency": concurrency,
+        "model": "/models/qwen2.5-coder-0.5b",
+        "context": 2048,
+        "dtype": "float32",
+        "kv_space_gib": 1,
+        "kv_tokens": 43648 if method == "none" else 310656,
+        "requests": 8,
+        "completed": 8 if concurrency < 32 else 7,
+        "failed": 0 if concurrency < 32 else 1,
+        "output_tokens_per_s": 2.0 * concurrency / (1 + tpot),
+        "requests_per_s": 0.1 * concurrency,
+        "tpot_median_s": tpot,
+        "tpot_p99_s": 2 * tpot,
+        "ttft_median_s": 3.0 * concurrency,
+        "ttft_p99_s": 9.0 * concurrency,
+        "preemptions": 2.0 if concurrency == 32 and method == "none" else 0.0,
+        "accuracy": 1.0,
+    }
+
+
+def test_serving_rows_are_reported(tmp_path: Path) -> None:
+    """`benchmarks/vllm_load.py` rows: throughput, TPOT and TTFT against concurrency per method (a kernel
+    named in the rows is its own series), the table with failures and preemptions, the command beside them."""
+    folder = tmp_path / "vllm-load"
+    folder.mkdir()
+    rows = [
+        _serving_row(method, c, tpot, kernel)
+        for method, kernel, tpot in (
+            ("none", None, 0.25),
+            ("quant:bits=4", "auto", 0.34),
+            ("quant:bits=4", "torch", 0.5),
+        )
+        for c in (1, 4, 32)
+    ]
+    rows.append({"kind": "vllm_load", "method": "none", "concurrency": 16})  # incomplete: not reported
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "command.txt").write_text("benchmarks/vllm_load.py --methods none,quant:bits=4 --out x\n")
+    html_path, md_path = tmp_path / "r.html", tmp_path / "s.md"
+    runs = write_report([folder], html_path, markdown=md_path)
+    assert len(runs[0].serving) == 9 and not runs[0].rows
+    html = html_path.read_text()
+    assert 'id="serving"' in html and 'id="overview"' not in html
+    assert html.count("<svg") == 3 and html.count("<polyline") >= 9  # 3 charts x 3 series, each a line
+    assert "output tokens / s vs concurrency" in html and "quant:bits=4 (kernel torch)" in html
+    md = md_path.read_text()
+    assert (
+        "9 serving rows" in md
+        and "```sh\nbenchmarks/vllm_load.py --methods none,quant:bits=4 --out x\n```" in md
+    )
+    assert "| `none` | - | 32 | 7 / 8 (1 failed) |" in md
+    assert "| `quant:bits=4` | torch | 1 | 8 / 8 | 1.333 |" in md
+    # vLLM's own cache first, then the methods, each by concurrency
+    order = [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| `")]
+    assert order[:3] == ["`none`"] * 3 and order[3:] == ["`quant:bits=4`"] * 6

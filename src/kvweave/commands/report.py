@@ -10,8 +10,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     runs = write_report(args.runs, args.output, markdown=args.md, csv=args.csv)
     rows, bench = sum(len(r.rows) for r in runs), sum(len(r.bench) for r in runs)
+    serving = sum(len(r.serving) for r in runs)
     counts = ", ".join(
-        ([f"{rows} rows"] if rows or not bench else []) + ([f"{bench} bench rows"] if bench else [])
+        ([f"{rows} rows"] if rows or not (bench or serving) else [])
+        + ([f"{bench} bench rows"] if bench else [])
+        + ([f"{serving} serving rows"] if serving else [])
     )
     print(f"report: {args.output} ({counts} from {len(runs)} run(s))")
     if args.md:

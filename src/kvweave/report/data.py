@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvweave.eval import runner
+from kvweave.report.serving import serving_rows
 from kvweave.report.specs import canonical_spec
 
 REFERENCE_METHODS = ("full", "kvpress:full")
@@ -46,6 +47,10 @@ class Run:
     """Rows of ``kvweave bench --out`` (``kind == "bench"``): the folder's ``bench.jsonl``, or the file given."""
     bench_command: str = ""
     """The command behind the bench rows, when a ``command.txt`` beside them gives it (the file has none)."""
+    serving: list[dict[str, Any]] = field(default_factory=list)
+    """Rows of ``benchmarks/vllm_load.py`` (``kind == "vllm_load"``, in the folder's ``rows.jsonl``)."""
+    serving_command: str = ""
+    """The commands behind the serving rows (the folder's ``command.txt``)."""
 
     @property
     def name(self) -> str:
@@ -55,7 +60,7 @@ class Run:
     @property
     def count(self) -> int:
         """Rows of every kind."""
-        return len(self.rows) + len(self.ppl) + len(self.bench)
+        return len(self.rows) + len(self.ppl) + len(self.bench) + len(self.serving)
 
 
 BENCH_FILE = "bench.jsonl"
@@ -63,7 +68,8 @@ BENCH_FILE = "bench.jsonl"
 
 _EXPECTED = (
     "a run folder with rows.jsonl, ppl.jsonl or bench.jsonl (`kvweave eval --out`, `kvweave ppl --out`, "
-    "`kvweave bench --out`) or a JSONL file of `kvweave bench --out FILE.jsonl` rows"
+    "`kvweave bench --out`, `benchmarks/vllm_load.py --out`) or a JSONL file of `kvweave bench --out FILE.jsonl` "
+    "rows"
 )
 
 
@@ -87,7 +93,9 @@ def load_run(path: str | Path) -> Run:
         command = command_path.read_text().strip()
     else:
         command = eval_command(config, folder) if config else ""
-    rows = [r for r in runner.read_rows(rows_path) if _is_result(r)] if rows_path.is_file() else []
+    found = runner.read_rows(rows_path) if rows_path.is_file() else []
+    rows = [r for r in found if _is_result(r)]
+    serving = serving_rows(found)
     ppl = [r for r in runner.read_rows(ppl_path) if "nll" in r] if ppl_path.is_file() else []
     bench = bench_rows(runner.read_rows(bench_path)) if bench_path.is_file() else []
     for row in rows + ppl:  # rows written before an option was renamed or a default changed: today's spec
@@ -97,9 +105,11 @@ def load_run(path: str | Path) -> Run:
     for row in bench:  # `kvweave bench` rows: version 2 or later (older ones are of the same vocabulary)
         if isinstance(row.get("method"), str):
             row["method"] = canonical_spec(row["method"], version=row.get("spec_version", 2))
-    run = Run(folder, rows, config, meta.get("environment", {}), command, ppl, bench)
+    run = Run(folder, rows, config, meta.get("environment", {}), command, ppl, bench, serving=serving)
     if bench:
         run.bench_command = bench_command(command_path)
+    if serving:
+        run.serving_command = command
     return run
 
 

@@ -10,6 +10,7 @@ from kvweave.report import data, guide, page
 from kvweave.report.cells import BENCH_HEADER, PPL_HEADER, _num, bench_cells, ppl_cells
 from kvweave.report.data import Run
 from kvweave.report.guide import NO_LOSS_POINTS
+from kvweave.report.serving import serving_markdown
 
 
 def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
@@ -146,6 +147,12 @@ def run_markdown(run: Run, summary: list[dict[str, Any]]) -> str:
         if parts[-1]:
             parts.append("")
         parts.append(f"{len(run.bench)} bench rows: see [Decode speed](#decode-speed).")
+    if run.serving:
+        if parts[-1]:
+            parts.append("")
+        parts.append(
+            f"{len(run.serving)} serving rows: see [Serving under load (vLLM)](#serving-under-load-vllm)."
+        )
     return "\n".join(parts).rstrip()
 
 
@@ -344,9 +351,10 @@ def render(runs: list[Run]) -> str:
     summaries = [data.run_summary(run) for run in runs]
     summary = [entry for run_entries in summaries for entry in run_entries]
     rows, windows = sum(len(run.rows) for run in runs), sum(len(run.ppl) for run in runs)
-    bench = sum(len(run.bench) for run in runs)
+    bench, serving = sum(len(run.bench) for run in runs), sum(len(run.serving) for run in runs)
     counts = f"{rows} result rows" + (f", {windows} perplexity rows" if windows else "")
     counts += f", {bench} bench rows" if bench else ""
+    counts += f", {serving} serving rows" if serving else ""
     noun = "run folder" if all(run.path.is_dir() for run in runs) else "run"
     title = [
         "# kvweave results",
@@ -387,6 +395,9 @@ def render(runs: list[Run]) -> str:
     bench_part = bench_markdown(runs)
     if bench_part:
         parts += [bench_part, ""]
+    serving_part = serving_markdown(runs)
+    if serving_part:
+        parts += [serving_part, ""]
     runs_intro = "Each run folder: the command that produced it, its environment and its table."
     parts += ["## Runs", "", runs_intro, ""]
     for run, run_entries in zip(runs, summaries, strict=True):

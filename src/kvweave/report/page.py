@@ -8,6 +8,7 @@ from typing import Any
 
 from kvweave.report import data, panel, svg
 from kvweave.report.data import Run
+from kvweave.report.serving import serving_section
 
 CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px 32px; color: #222;
@@ -545,6 +546,11 @@ def runs_section(runs: list[Run], summaries: list[list[dict[str, Any]]]) -> str:
             parts.append(
                 f'<p class="note">{len(run.bench)} bench rows: see <a href="#bench">Decode speed</a>.</p>'
             )
+        if run.serving:
+            parts.append(
+                f'<p class="note">{len(run.serving)} serving rows: see <a href="#serving">Serving under '
+                "load</a>.</p>"
+            )
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -557,9 +563,11 @@ def render(runs: list[Run]) -> str:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     names = ", ".join(run.name for run in runs)
     ppl, bench = sum(len(run.ppl) for run in runs), sum(len(run.bench) for run in runs)
-    counts = [f"{len(rows)} rows"] if rows or not (ppl or bench) else []
+    serving = sum(len(run.serving) for run in runs)
+    counts = [f"{len(rows)} rows"] if rows or not (ppl or bench or serving) else []
     counts += [f"{ppl} perplexity rows"] if ppl else []
     counts += [f"{bench} bench rows"] if bench else []
+    counts += [f"{serving} serving rows"] if serving else []
     body = [
         "<h1>kvweave report</h1>",
         f'<p class="note">{", ".join(counts)} from {escape(names)}; generated {stamp}.'
@@ -567,7 +575,7 @@ def render(runs: list[Run]) -> str:
         + "</p>",
         panel.panel(runs, summary),
     ]
-    if rows or not (ppl or bench):  # a perplexity or bench run alone has no eval sections
+    if rows or not (ppl or bench or serving):  # a perplexity, bench or serving run alone has no eval sections
         body += [
             '<section id="overview"><h2>Overview</h2>',
             '<p class="note">One table per context length: accuracy per task (mean over trials, their number '
@@ -584,7 +592,12 @@ def render(runs: list[Run]) -> str:
             frontier_section(rows),
             memory_speed_section(rows),
         ]
-    body += [perplexity_section(runs), bench_section(runs), runs_section(runs, summaries)]
+    body += [
+        perplexity_section(runs),
+        bench_section(runs),
+        serving_section(runs),
+        runs_section(runs, summaries),
+    ]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>kvweave report: {escape(names)}</title><style>{CSS}</style></head>\n<body>\n"

@@ -191,6 +191,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         self.layout: QuantSlot | PageSlot | None = None  # built on first use (needs the dtype and block size)
         self.residual: KeyResidual | None = None  # quant: exact keys of the key groups not yet quantized
         self.max_requests = _max_requests()
+        self.fused_choice: dict[str, bool] = {}  # device type -> quant decode runs the fused kernel
 
     # ----------------------------------------------------------------------------------------- layout
     def _layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> QuantSlot | PageSlot:
@@ -375,13 +376,16 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             )
         return torch.cat(pieces, dim=1).transpose(0, 1)
 
-    @staticmethod
-    def _fused_decode(device: torch.device) -> bool:
-        """Whether ``quant`` decode steps run the fused C++ kernel (``KVWEAVE_VLLM_KERNEL``, the machine)."""
-        choice = os.environ.get(ENV_KERNEL, "auto").strip() or "auto"
-        if choice not in ("auto", "cpp", "torch"):
-            raise ValueError(f"{ENV_KERNEL}={choice!r}; allowed: auto, cpp, torch")
-        return choose(QUANT_DECODE, choice, device) == "cpp"
+    def _fused_decode(self, device: torch.device) -> bool:
+        """Whether ``quant`` decode steps run the fused C++ kernel (``KVWEAVE_VLLM_KERNEL``, the machine): read
+        once per layer and device, not per decode row."""
+        known = self.fused_choice
+        if device.type not in known:
+            choice = os.environ.get(ENV_KERNEL, "auto").strip() or "auto"
+            if choice not in ("auto", "cpp", "torch"):
+                raise ValueError(f"{ENV_KERNEL}={choice!r}; allowed: auto, cpp, torch")
+            known[device.type] = choose(QUANT_DECODE, choice, device) == "cpp"
+        return bool(known[device.type])
 
     def _fused_quant_decode(
         self,

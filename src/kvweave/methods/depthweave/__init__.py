@@ -212,6 +212,12 @@ class DepthWeave(Method):
     evict: float = option(0.0, "fraction of tokens dropped, lowest router score first (0: none)")
     bits: int = option(4, "bits of the token-side bases: 16, 8 or 4 (coefficients at 8 when below 16)")
     recent: int = option(32, "newest tokens kept exact")
+    recent_share: float = option(
+        0.0,
+        "while decoding, the recent buffer grows to this share of the row's byte budget (recent_share x tokens / "
+        "compression newest tokens kept exact, never fewer than recent); 0: always recent",
+        tuning=True,
+    )
     block: int = option(64, "tokens folded into the factorization at a time while decoding", tuning=True)
     decode_tokens: int = option(
         512,
@@ -272,6 +278,7 @@ class DepthWeave(Method):
         ({"evict": 0.5, "router": False}, "evict"),
         ({"bits": 5}, "bits"),
         ({"recent": -1}, "recent"),
+        ({"recent_share": 0.95}, "recent_share"),
         ({"block": 0}, "block"),
         ({"decode_tokens": -1}, "decode_tokens"),
         ({"page": 0}, "page"),
@@ -310,6 +317,7 @@ class DepthWeave(Method):
             )
         self.check_choice("bits", [16, 8, 4])
         self.check_range("recent", 0)
+        self.check_range("recent_share", 0.0, 0.9)
         self.check_range("block", 1)
         self.check_range("drift", 1.0)
         self.check_choice("storage", STORAGE_CHOICES)

@@ -112,6 +112,9 @@ class WeaveGroup(Stateful):
         self.rows: list[RowStore | None] = []
         self._bind()
 
+    fold_generation = 0  # folds so far in this process (``recent_target``'s cache key)
+    _window: tuple[int, int] | None = None
+
     def after_load(self) -> None:
         self._bind()
 
@@ -128,12 +131,52 @@ class WeaveGroup(Stateful):
         self.recent[layer_idx] = RecentBuffer()
         self.rows = []
 
-    def fold_count(self, layer_idx: int, first: int) -> int:
-        """Tokens to fold this step: at prefill all but ``recent``, later whole multiples of ``block``."""
-        extra = self.recent[layer_idx].count() - self.method.recent
+    def fold_count(self, layer_idx: int, first: int, seen: int) -> int:
+        """Tokens to fold this step: at prefill all but ``recent``, later whole multiples of ``block`` beyond
+        :meth:`recent_target`."""
         if first == 0:
-            return max(extra, 0)
+            return max(self.recent[layer_idx].count() - self.method.recent, 0)
+        extra = self.recent[layer_idx].count() - self.recent_target(seen)
         return extra if extra >= self.method.block else 0
+
+    def recent_target(self, seen: int) -> int:
+        """Exact newest tokens kept while decoding after ``seen`` tokens: ``recent``, or up to ``recent_share`` of
+        the byte budget once that is more (a long generation's next-token loss rests on its newest tokens), but
+        never more than the budget has spare beside what the row stores hold. Computed once per fold (the
+        stores change only then), so every member folds the same tokens; derived, not saved."""
+        method = self.method
+        if method.recent_share <= 0 or method.compression is None or not self.rows:
+            return method.recent
+        if self._window is not None and self._window[0] == self.fold_generation:
+            return self._window[1]
+        token_16bit, token_exact = self.token_bytes()
+        spare = min(
+            seen * token_16bit / method.compression
+            - sum(held for held, _ in store.part_bytes(self.members).values())
+            for store in self.rows
+            if store is not None
+        )
+        # the buffer refills by ``block`` before a fold: budget for its mean fill, as the folds do
+        window = min(self.wanted_window(seen), int(spare // token_exact) - method.block // 2)
+        self._window = (self.fold_generation, max(method.recent, window))
+        return self._window[1]
+
+    def wanted_window(self, seen: int) -> int:
+        """``recent_share`` of the byte budget after ``seen`` tokens, in exact newest tokens; decode folds leave
+        this much of the budget to the recent buffer."""
+        method = self.method
+        if method.recent_share <= 0 or method.compression is None:
+            return 0
+        token_16bit, token_exact = self.token_bytes()
+        return int(method.recent_share * seen * token_16bit / method.compression // token_exact)
+
+    def token_bytes(self) -> tuple[int, int]:
+        """Bytes of one token over the group: in a 16-bit full cache, and in the recent buffer (its keys and
+        values in the storage dtype, a position and a score)."""
+        buffer = self.recent[self.members[-1]]
+        assert buffer.keys is not None
+        heads, dim, element = buffer.keys.shape[1], buffer.keys.shape[3], buffer.keys.element_size()
+        return len(self.members) * 2 * heads * dim * 2, len(self.members) * (2 * heads * dim * element + 8)
 
     def fold(self, owner: DepthWeaveLayer, count: int, first: int) -> None:
         """Move the oldest ``count`` tokens of every member's buffer into the row stores.
@@ -170,9 +213,10 @@ class WeaveGroup(Stateful):
         per_token_16bit = len(buffers) * 2 * heads * dim * 2  # a 16-bit full cache of this group, per token
         # the recent buffer after this fold; while decoding it refills to ``recent + block`` before the next one,
         # so decode folds budget for its mean fill (the held bytes then average ``compression`` over a fold)
-        kept_recent = newest.count() - count + (self.method.block // 2 if first > 0 else 0)
-        element = newest.keys.element_size()  # type: ignore[union-attr]
-        recent_bytes = len(buffers) * kept_recent * (2 * heads * dim * element + 8)  # + position, score
+        kept_recent = newest.count() - count
+        if first > 0:  # and the share of the budget the buffer may grow into (``recent_share``)
+            kept_recent = max(kept_recent, self.wanted_window(owner.seen)) + self.method.block // 2
+        recent_bytes = kept_recent * self.token_bytes()[1]
         for b in range(rows):
             real = (~padding[b]).nonzero().squeeze(1)
             if real.numel() == 0:
@@ -208,6 +252,7 @@ class WeaveGroup(Stateful):
             add_chunk(store, chunk, probe, rotary, budget)
         for buffer in buffers:
             buffer.drop(count)
+        self.fold_generation += 1
         if first == 0 and self.index == 0:
             self.warn_if_short_of_target(owner.seen)
 

@@ -76,7 +76,7 @@ class DepthWeaveLayer(CompressedLayer):
                 recent.score = observed_attention(query, key, self.pad_count, self.method.window, scaling)
         else:
             out = self.compressed_attention(query, attention_mask, first, scaling)
-        count = group.fold_count(self.layer_idx, first)
+        count = group.fold_count(self.layer_idx, first, self.seen)
         if count > 0 and (self.method.probes or first == 0):  # prefill probes also measure fixed ranks
             keep = min(self.method.probe, q_len)
             slots = torch.arange(first + q_len - keep, first + q_len, device=key.device)
