@@ -221,6 +221,27 @@ def test_niah_multiquery_asks_four_keys(tok: WordTok) -> None:
     assert s.question.startswith("What are all the special magic numbers for")
 
 
+def test_niah_value_kinds_without_plain_numbers(tok: WordTok) -> None:
+    """The kvweave variants: hex codes mix letters and digits, common words are plain lowercase words; the
+    question names the noun, every value is asked for and planted once."""
+    from kvweave.eval.tasks.fitting import COMMON_WORDS
+
+    hexes = make_sample("niah_multiquery_hex", tok, 3000, depth=0.5, seed=1)
+    assert hexes.question.startswith("What are all the special magic codes for") and len(hexes.answers) == 4
+    for code in hexes.answers:
+        assert (
+            re.fullmatch(r"[0-9a-f]{8}", code)
+            and any(c.isalpha() for c in code)
+            and any(c.isdigit() for c in code)
+        )
+        assert hexes.context.count(code) == 1
+    common = make_sample("niah_multivalue_common", tok, 3000, depth=0.5, seed=1)
+    assert len(set(common.answers)) == 4 and all(word in COMMON_WORDS for word in common.answers)
+    assert common.question.startswith("What are all the special magic words for")
+    words = make_sample("niah_multiquery_word", tok, 3000, depth=0.5, seed=1)
+    assert all("-" in word for word in words.answers)
+
+
 def test_niah_multikey_uuid_haystack_is_needles(tok: WordTok) -> None:
     s = make_sample("niah_multikey_uuid", tok, 3000, depth=0.5, seed=0)
     lines = s.context.split("\n")[1:]
@@ -381,6 +402,7 @@ def test_task_registry() -> None:
     expected = {
         "passkey", "niah_single", "niah_word", "niah_uuid", "niah_multikey", "niah_multikey_uuid",
         "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "code",
+        *(f"niah_{shape}_{kind}" for shape in ("multiquery", "multivalue") for kind in ("word", "hex", "common")),
     }  # fmt: skip
     assert set(TASKS) == expected | {"qa_quality", "qa_loogle"}
     assert set(T.available_tasks()) == expected

@@ -232,9 +232,36 @@ def _rand_word(rng: random.Random, words: _Words) -> str:
     return f"{rng.choice(words.adjectives)}-{rng.choice(words.nouns)}"
 
 
+def _rand_hex(rng: random.Random) -> str:
+    """8 lowercase hex digits with at least two letters and two digits (``8605b771``): a value a tokenizer
+    splits into digit and letter pieces, so no token of it alone looks like a number."""
+    while True:
+        code = f"{rng.getrandbits(32):08x}"
+        letters = sum(c.isalpha() for c in code)
+        if 2 <= letters <= 6:
+            return code
+
+
+COMMON_WORDS = (
+    "apple", "basket", "bottle", "bridge", "button", "candle", "carpet", "castle", "chair", "cloud", "coffee",
+    "corner", "cotton", "garden", "guitar", "hammer", "harbor", "island", "jacket", "kettle", "ladder", "lemon",
+    "letter", "market", "meadow", "mirror", "monkey", "mountain", "needle", "orange", "paper", "pencil",
+    "pepper", "pillow", "planet", "pocket", "rabbit", "ribbon", "river", "saddle", "silver", "spider", "spoon",
+    "stone", "summer", "table", "teacher", "ticket", "tiger", "tomato", "tower", "train", "valley", "wagon",
+    "window", "winter", "yellow", "forest", "engine", "circle",
+)  # fmt: skip
+"""Common English words as needle values: nothing in their form says they are a value to keep."""
+
+
 def _draw(rng: random.Random, kind: str, words: _Words, avoid: set[str]) -> str:
-    """A fresh random item of ``kind`` (numbers, words, uuids) not in ``avoid``."""
-    make = {"numbers": _rand_number, "uuids": _rand_uuid, "words": lambda r: _rand_word(r, words)}[kind]
+    """A fresh random item of ``kind`` (numbers, words, uuids, hex, common) not in ``avoid``."""
+    make = {
+        "numbers": _rand_number,
+        "uuids": _rand_uuid,
+        "words": lambda r: _rand_word(r, words),
+        "hex": _rand_hex,
+        "common": lambda r: r.choice(COMMON_WORDS),
+    }[kind]
     while True:
         item = make(rng)
         if item not in avoid:

@@ -30,13 +30,16 @@ def _singular(template: str) -> str:
 
 @dataclass(frozen=True)
 class _NiahConfig:
-    """One NIAH variant: key/value types, counts of keys (k), values per key (v), queried keys (q)."""
+    """One NIAH variant: key/value types, counts of keys (k), values per key (v), queried keys (q); ``draw``: how
+    values are drawn when not by their type's name (``hex``: 8 hex digits called codes, ``common``: common
+    English words)."""
 
     key_type: str
     value_type: str
     k: int = 1
     v: int = 1
     q: int = 1
+    draw: str = ""
 
 
 def _niah_texts(cfg: _NiahConfig, queries: list[str]) -> tuple[str, str, str]:
@@ -59,7 +62,8 @@ def _niah_draws(ctx: _Ctx, cfg: _NiahConfig) -> tuple[list[str], list[list[str]]
     """Distinct keys and, per key, distinct values."""
     used: set[str] = set()
     keys = [_draw(ctx.rng, cfg.key_type, ctx.words, used) for _ in range(max(cfg.k, cfg.q))]
-    values = [[_draw(ctx.rng, cfg.value_type, ctx.words, used) for _ in range(cfg.v)] for _ in keys]
+    kind = cfg.draw or cfg.value_type
+    values = [[_draw(ctx.rng, kind, ctx.words, used) for _ in range(cfg.v)] for _ in keys]
     return keys, values
 
 

@@ -97,6 +97,23 @@ TASKS: dict[str, TaskSpec] = {
             _niah_builder(_NiahConfig("words", "numbers", k=4, q=4)),
             optional=(_WORDLISTS,),
         ),
+        *(
+            _spec(
+                f"niah_{shape}_{kind}",
+                f"NIAH, {what}, {values} (kvweave)",
+                _niah_builder(_NiahConfig("words", noun, draw=draw, **counts)),  # type: ignore[arg-type]
+                optional=(_WORDLISTS,),
+            )
+            for shape, what, counts in (
+                ("multiquery", "4 keys asked at once", {"k": 4, "q": 4}),
+                ("multivalue", "one key with 4 values, all must be recalled", {"v": 4}),
+            )
+            for kind, noun, draw, values in (
+                ("word", "words", "", "adjective-noun word values"),
+                ("hex", "codes", "hex", "8-hex-digit code values such as 8605b771"),
+                ("common", "words", "common", "common English word values"),
+            )
+        ),
         _spec(
             "vt",
             "variable tracking: 1 chain of 4 hops, name all 5 variables (RULER vt)",
