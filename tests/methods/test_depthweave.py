@@ -512,3 +512,41 @@ def test_recent_share_grows_the_exact_window_inside_the_budget(model):
     wanted = group.wanted_window(400)  # half the budget in exact tokens (each a little over 16 bits)
     assert wanted > 50 and wanted - 8 <= shared <= wanted + 8  # the share of the budget, within a block
     assert all(3.0 * 0.85 <= r <= 3.0 * 1.15 for r in ratios), ratios
+
+
+def test_fair_page_choice_gives_every_query_head_its_best_pages():
+    """``page_choice=fair``: query rows take their best pages in turn; ``max`` can spend the whole budget on the
+    pages one row scores highest."""
+    from kvweave.methods.depthweave.select import choose_pages
+
+    bounds = torch.tensor(
+        [
+            [
+                [9.0, 8.0, 7.0, 1.0, 0.0, 0.5],  # query head 0: pages 0, 1, 2
+                [0.0, 0.5, 0.2, 3.0, 2.0, 1.0],  # query head 1: pages 3, 4, 5, all below head 0's
+            ]
+        ]
+    )
+    assert sorted(choose_pages(bounds, 3, "max")[0].tolist()) == [0, 1, 2]
+    assert sorted(choose_pages(bounds, 3, "fair")[0].tolist()) == [
+        0,
+        1,
+        3,
+    ]  # 0 (head 0), 3 (head 1), 1 (head 0)
+    assert sorted(choose_pages(bounds, 6, "fair")[0].tolist()) == list(range(6))
+    shared = torch.tensor([[[5.0, 4.0, 0.0], [5.0, 1.0, 4.5]]])  # both heads' best is page 0: taken once,
+    assert sorted(choose_pages(shared, 2, "fair")[0].tolist()) == [0, 1]  # then the second rank, head 0 first
+    one_row = bounds[:, :1]
+    assert choose_pages(one_row, 2, "fair").tolist() == choose_pages(one_row, 2, "max").tolist()
+
+
+@pytest.mark.parametrize("choice", ["max", "fair"])
+def test_selective_decode_runs_with_each_page_choice(model, choice):
+    ids = _ids(96)
+    cache = kvweave.make_cache(
+        "depthweave", model, **{**SMALL, "decode_tokens": 8, "page": 4, "group": 2}, page_choice=choice
+    )
+    out = model.generate(
+        ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{cache_kwarg(model): cache}
+    )
+    assert out.shape[1] == 102

@@ -225,6 +225,12 @@ class DepthWeave(Method):
         "(page summaries kept per layer, counted in the budget); 0: every token, exactly, no summaries",
     )
     page: int = option(64, "tokens per page summary (decode_tokens > 0)", tuning=True)
+    page_choice: str = option(
+        "max",
+        "how a decode step picks its pages per KV head: max (highest bound over the head's query heads) or "
+        "fair (each query head's best pages in turn)",
+        tuning=True,
+    )
     kernel: str = option(
         "auto",
         "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), triton (fused Triton kernels, "
@@ -279,6 +285,7 @@ class DepthWeave(Method):
         ({"bits": 5}, "bits"),
         ({"recent": -1}, "recent"),
         ({"recent_share": 0.95}, "recent_share"),
+        ({"page_choice": "best"}, "page_choice"),
         ({"block": 0}, "block"),
         ({"decode_tokens": -1}, "decode_tokens"),
         ({"page": 0}, "page"),
@@ -300,6 +307,7 @@ class DepthWeave(Method):
         self.check_range("decode_tokens", 0)
         self.check_range("page", 1)
         self.check_choice("kernel", list(BACKENDS))
+        self.check_choice("page_choice", ["max", "fair"])
         self.check_range("probe", 1)
         self.check_range("window", 1)
         self.check_range("sinks", 0)

@@ -176,6 +176,24 @@ def bounds_bytes(method: Any, tokens: int, layers: int, heads: int, dim: int) ->
     return layers * heads * math.ceil(tokens / method.page) * (2 * dim + 4)
 
 
+def choose_pages(bounds: torch.Tensor, chosen: int, rule: str) -> torch.Tensor:
+    """``[H, k]`` pages per KV head from their upper bounds ``[H, M, P]`` (``M``: the head's query rows).
+
+    ``max``: the ``k`` pages of highest bound over the query rows. ``fair``: every query row's best page, then
+    every row's second best, and so on, rank by rank (rows in order within a rank; a page named again is
+    already in) until ``k`` are taken, so a query head whose pages score lower than another head's still gets
+    its best ones (several needles, each wanted by other heads)."""
+    if rule == "max" or bounds.shape[1] == 1:
+        return bounds.amax(1).topk(chosen, dim=1).indices
+    heads, rows, pages = bounds.shape
+    order = bounds.argsort(dim=2, descending=True)  # [H, M, P]: each row's pages, best first
+    turns = order.transpose(1, 2).reshape(heads, rows * pages)  # round-robin over the rows, rank by rank
+    first = torch.full((heads, pages), rows * pages, dtype=torch.long, device=bounds.device)
+    steps = torch.arange(rows * pages, device=bounds.device).expand(heads, -1)
+    first.scatter_reduce_(1, turns, steps, reduce="amin")  # each page's first turn
+    return first.topk(chosen, dim=1, largest=False).indices
+
+
 def selected_parts(
     store: RowStore, layer: int, query: torch.Tensor, table: RopeTable | None, pages: int | None = None
 ) -> list[Any] | None:
@@ -189,8 +207,8 @@ def selected_parts(
     if held == 0 or (pages is None and held <= chosen):
         return None
     chosen = min(chosen, held)
-    bounds = torch.cat([s.bounds[layer].upper_bounds(query).amax(1) for s in segments], dim=1)  # [H, P]
-    top = bounds.topk(chosen, dim=1).indices  # [H, k]
+    bounds = torch.cat([s.bounds[layer].upper_bounds(query) for s in segments], dim=2)  # [H, M, P]
+    top = choose_pages(bounds, chosen, method.page_choice)  # [H, k]
     heads, dim = store.heads, store.dim
     r_v = store.basis["v"][layer].dequantize().view(-1, heads, dim)  # [r, H, D]
     rotate = table.rotate if table is not None else None
