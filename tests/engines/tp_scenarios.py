@@ -30,6 +30,9 @@ EXTRA_SPECS = [
     "depthweave:recent=8,block=8,group=2,compression=3.0,probe=4,window=8,sinks=2,decode_tokens=8,page=4,"
     "router=True,evict=0.25",
     "depthweave:recent=8,block=8,group=2,target_error=0.05,probe=4,sinks=2,decode_tokens=0",
+    # the recent window grows within the 6 new tokens (its size is agreed over the ranks)
+    "depthweave:recent=1,block=1,group=2,compression=1.5,probe=4,window=8,sinks=2,decode_tokens=8,page=4,"
+    "recent_share=0.9",
 ]
 NEW_TOKENS = 6
 # what each layer's stats say a method decided: entries held, DepthWeave's probe-chosen ranks and refreshes,

@@ -469,7 +469,10 @@ def test_held_bytes_track_compression_over_a_long_decode(model):
     ``compression`` at every checkpoint once the budget fills (projected coordinates alone drift to 3.9x)."""
     from kvweave.registry import METHODS, parse_method
 
-    spec = parse_method("depthweave", **{**METHODS["depthweave"].test_options, "compression": 3.0})
+    # recent_share=0: every spare byte goes to exact rows (the share's own test is below)
+    spec = parse_method(
+        "depthweave", **{**METHODS["depthweave"].test_options, "compression": 3.0, "recent_share": 0.0}
+    )
     cache = kvweave.make_cache(spec, model, tokenizer=_Vocab({}))
     ids = _ids(400, seed=0)
     ratios = []
@@ -509,8 +512,11 @@ def test_recent_share_grows_the_exact_window_inside_the_budget(model):
     plain, shared = (caches[s].layers[0].recent_count() for s in (0.0, 0.5))
     assert plain < 8 + 8  # recent + block
     group = caches[0.5].context.groups[0]
-    wanted = group.wanted_window(400)  # half the budget in exact tokens (each a little over 16 bits)
-    assert wanted > 50 and wanted - 8 <= shared <= wanted + 8  # the share of the budget, within a block
+    wanted = group.wanted_window(
+        400
+    )  # half the generated tokens' budget in exact tokens (a little over 16 bits)
+    assert 0.5 * 304 / 3.0 * 0.9 < wanted <= 0.5 * 304 / 3.0 and wanted - 8 <= shared <= wanted + 8
+    assert group.wanted_window(96) == 0  # the prompt's budget is the prompt's
     assert all(3.0 * 0.85 <= r <= 3.0 * 1.15 for r in ratios), ratios
 
 
@@ -550,3 +556,22 @@ def test_selective_decode_runs_with_each_page_choice(model, choice):
         ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{cache_kwarg(model): cache}
     )
     assert out.shape[1] == 102
+
+
+def test_recent_share_changes_nothing_before_its_threshold(model):
+    """Before ``recent x compression / recent_share`` generated tokens the window stays at ``recent``: a short
+    answer gets the same tokens and bytes with the share as without it (so rows of short answers written before
+    it became the default measured what the default does)."""
+    from kvweave.registry import METHODS, parse_method
+
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0}  # threshold: 8 x 3 / 0.5 = 48 tokens
+    outs, held = [], []
+    for share in (0.0, 0.5):
+        cache = kvweave.make_cache(parse_method("depthweave", **options, recent_share=share), model)
+        outs.append(
+            model.generate(
+                _ids(96), max_new_tokens=40, min_new_tokens=40, do_sample=False, **{cache_kwarg(model): cache}
+            )
+        )
+        held.append(cache.nbytes())
+    assert torch.equal(outs[0], outs[1]) and held[0] == held[1]

@@ -158,17 +158,27 @@ class WeaveGroup(Stateful):
         )
         # the buffer refills by ``block`` before a fold: budget for its mean fill, as the folds do
         window = min(self.wanted_window(seen), int(spare // token_exact) - method.block // 2)
+        tp = getattr(self.cache, "tp", None)
+        if (
+            tp is not None
+        ):  # every rank folds the same tokens (the fold all-reduces over them): the least window
+            window = -int(tp.all_reduce(torch.tensor([-window], dtype=torch.int64), "max").item())
         self._window = (self.fold_generation, max(method.recent, window))
         return self._window[1]
 
     def wanted_window(self, seen: int) -> int:
-        """``recent_share`` of the byte budget after ``seen`` tokens, in exact newest tokens; decode folds leave
-        this much of the budget to the recent buffer."""
+        """``recent_share`` of the byte budget the tokens after the prompt brought (``seen`` tokens now), in exact
+        newest tokens; decode folds leave this much of the budget to the recent buffer. The prompt's budget is
+        the prompt's, so a short answer (fewer than ``recent x compression / recent_share`` tokens) folds as
+        with ``recent`` alone."""
         method = self.method
         if method.recent_share <= 0 or method.compression is None:
             return 0
+        stores = [store for store in self.rows if store is not None]
+        prompt = max((int(store.log.get("prompt_seen", 0)) for store in stores), default=0)
         token_16bit, token_exact = self.token_bytes()
-        return int(method.recent_share * seen * token_16bit / method.compression // token_exact)
+        budget = method.recent_share * max(seen - prompt, 0) * token_16bit / method.compression
+        return int(budget // token_exact)
 
     def token_bytes(self) -> tuple[int, int]:
         """Bytes of one token over the group: in a 16-bit full cache, and in the recent buffer (its keys and
@@ -250,6 +260,8 @@ class WeaveGroup(Stateful):
             real_tokens = owner.seen - int(pad_count[b])
             budget = Budget(per_token_16bit * real_tokens, recent_bytes)
             add_chunk(store, chunk, probe, rotary, budget)
+            if first == 0:  # where the prompt ended (``wanted_window``: the generated tokens' budget)
+                store.log["prompt_seen"] = owner.seen
         for buffer in buffers:
             buffer.drop(count)
         self.fold_generation += 1
