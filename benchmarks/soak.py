@@ -317,6 +317,35 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def loss_table(rows: list[dict[str, Any]], reference: str = "full") -> str:
+    """Per checkpoint step, each method's interval loss beside ``reference``'s at the same step (the same
+    stream: rows of several runs may be given together) and its compression against a 16-bit full cache, as a
+    markdown table; the latest row of each (method, step) counts."""
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        if row.get("kind") == "checkpoint":
+            latest[(row["method"], int(row["step"]))] = row
+    methods = list(dict.fromkeys(method for method, _ in latest))
+    others = [m for m in methods if m != reference]
+    header = f"| step | `{reference}` loss | " + " | ".join(
+        f"`{m}` loss (vs `{reference}`), compression" for m in others
+    )
+    lines = [header + " |", "|---|---|" + "---|" * len(others)]
+    for step in sorted({step for _, step in latest}):
+        ref = latest.get((reference, step))
+        cells = [f"{step:,}", f"{ref['loss']:.3f}" if ref else "-"]
+        for method in others:
+            row = latest.get((method, step))
+            if row is None:
+                cells.append("-")
+                continue
+            change = f" ({100 * (row['loss'] / ref['loss'] - 1):+.1f} %)" if ref else ""
+            ratio = row["full_kv_bytes_16bit"] / max(row["bytes"], 1)
+            cells.append(f"{row['loss']:.3f}{change}, {ratio:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -329,14 +358,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens prefilled first (default 512)")
     parser.add_argument("--minutes", type=float, help="wall-time cap per method (a rerun continues)")
     parser.add_argument("--save-every", type=int, default=0, help="save the cache every N checkpoints")
-    parser.add_argument("--out", required=True, help="folder: rows.jsonl and summary.json")
+    parser.add_argument("--out", help="folder: rows.jsonl and summary.json (required unless --losses)")
     parser.add_argument("--state", help="folder of the saved caches (default OUT/state; keep it out of git)")
     parser.add_argument(
         "--markdown", action="store_true", help="print the summaries in OUT as a markdown table and stop"
     )
+    parser.add_argument(
+        "--losses",
+        nargs="+",
+        metavar="ROWS",
+        help="print each method's interval loss beside full's, checkpoint by checkpoint, from these rows files "
+        "(one stream: runs of the same --model and --prompt) as a markdown table and stop",
+    )
     args = parser.parse_args(argv)
+    if args.losses:
+        missing = [path for path in args.losses if not Path(path).is_file()]
+        if missing:
+            parser.error(f"no rows file {', '.join(missing)}; give the rows.jsonl a soak run wrote")
+        print(loss_table([row for path in args.losses for row in read_rows(Path(path))]), end="")
+        return 0
     if min(args.steps, args.every, args.prompt) < 1 or args.save_every < 0:
         parser.error("--steps, --every and --prompt must be positive, --save-every not negative")
+    if not args.out:
+        parser.error("--out is required (or --losses ROWS...)")
     if args.markdown:
         print(markdown(read_rows(Path(args.out) / "rows.jsonl")), end="")
         return 0

@@ -70,3 +70,32 @@ def test_memory_does_not_drift_and_refreshes_stay_bounded(soaked) -> None:
     _, depthweave = soaked["depthweave"]
     assert depthweave["folds"] > 0
     assert depthweave["refreshes"] <= depthweave["folds"], depthweave
+
+
+def test_loss_table_sets_each_checkpoint_beside_full(soaked, tmp_path: Path, capsys) -> None:
+    """``--losses``: every method's interval loss beside ``full``'s at the same step, from several rows files;
+    a step one of them lacks is a dash, and a missing file is a one-line error."""
+    script = soak_script()
+    model = tiny_model("llama")
+    stream = script.token_stream(None, model.config.vocab_size, PROMPT + STEPS + 1)
+    full_rows: list[dict] = []
+    script.soak(model, stream, "full", STEPS, EVERY, PROMPT, full_rows.append)
+    quant_rows, _ = soaked["quant"]
+    files = []
+    for name, rows in (("a", full_rows), ("b", quant_rows[:-1])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(script.json.dumps(r) + "\n" for r in rows))
+        files.append(str(path))
+    assert script.main(["--losses", *files]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| step | `full` loss | `quant` loss (vs `full`)")
+    first, last = full_rows[0], full_rows[-1]
+    change = 100 * (quant_rows[0]["loss"] / first["loss"] - 1)
+    assert (
+        f"| {first['step']:,} | {first['loss']:.3f} | {quant_rows[0]['loss']:.3f} ({change:+.1f} %)"
+        in lines[2]
+    )
+    assert lines[-1] == f"| {last['step']:,} | {last['loss']:.3f} | - |"  # quant's last checkpoint left out
+    with pytest.raises(SystemExit):
+        script.main(["--losses", str(tmp_path / "none.jsonl")])
+    assert "no rows file" in capsys.readouterr().err
