@@ -182,6 +182,12 @@ def _checkpoint(cache: Any, spec: str, step: int, interval: _Interval) -> dict[s
     }
     if counts:
         row.update(counts)
+        groups = [g for g in cache.context.groups.values() if hasattr(g, "rows")]
+        # DepthWeave's exact newest tokens (``recent_share``) and exact rows, per layer group
+        row["recent_tokens"] = [g.recent[g.members[-1]].count() for g in groups]
+        row["exact_rows"] = [
+            sum(s.token_counts.get("exact", 0) for s in g.rows if s is not None) for g in groups
+        ]
         row["refresh_steps"] = len(interval.refresh_times)
         row["refresh_ms"] = (
             1000 * statistics.fmean(interval.refresh_times) if interval.refresh_times else None
