@@ -191,9 +191,9 @@ def agreement(reference: dict[str, Any], candidate: dict[str, Any], tie: float) 
 
 
 def passkey_prompts(
-    model: str, context: int, trials: int, haystack: str | None
+    model: str, context: int, trials: int, haystack: str | None, task: str = "passkey"
 ) -> list[tuple[list[int], Any]]:
-    """The prompts of ``kvweave eval --task passkey --context C --trials N`` (same samples and template)."""
+    """The prompts of ``kvweave eval --task TASK --context C --trials N`` (same samples and template)."""
     from transformers import AutoTokenizer
 
     from kvweave.eval import tasks as task_lib
@@ -204,7 +204,7 @@ def passkey_prompts(
     out = []
     for trial in range(trials):
         sample = task_lib.make_sample(
-            "passkey", tokenizer, context, depth=depths[trial], seed=trial, haystack=haystack
+            task, tokenizer, context, depth=depths[trial], seed=trial, haystack=haystack
         )
         out.append((build_prompt(tokenizer, sample, question_aware=False)[1], sample))
     return out
@@ -230,7 +230,7 @@ def passkey(args: argparse.Namespace) -> None:
 
     from vllm import SamplingParams
 
-    samples = passkey_prompts(args.model, args.context, args.trials, args.haystack)
+    samples = passkey_prompts(args.model, args.context, args.trials, args.haystack, args.task)
     llm = engine(args.model, args.method, args.max_model_len, args.kv_space, args.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
     predictions = []
@@ -245,7 +245,7 @@ def passkey(args: argparse.Namespace) -> None:
         {
             "model": args.model,
             "method": args.method,
-            "task": "passkey",
+            "task": args.task,
             "dtype": args.dtype,
             "context": args.context,
             "trials": args.trials,
@@ -262,7 +262,7 @@ def serve_passkey(args: argparse.Namespace) -> None:
     """Start ``python -m kvweave.vllm serve`` (a real vLLM OpenAI server) on localhost and query it."""
     from openai import OpenAI
 
-    samples = passkey_prompts(args.model, args.context, args.trials, args.haystack)
+    samples = passkey_prompts(args.model, args.context, args.trials, args.haystack, args.task)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
     command = [
         sys.executable,
@@ -312,7 +312,7 @@ def serve_passkey(args: argparse.Namespace) -> None:
         {
             "model": args.model,
             "method": args.method,
-            "task": "passkey",
+            "task": args.task,
             "dtype": args.dtype,
             "context": args.context,
             "trials": args.trials,
@@ -367,6 +367,9 @@ def main() -> None:
             p.add_argument("--trials", type=int, default=9)
             p.add_argument("--tokens", type=int, default=8)
             p.add_argument("--haystack", default=None)
+            p.add_argument(
+                "--task", default="passkey", help="any kvweave eval task (passkey, niah_multikey, ...)"
+            )
             p.add_argument("--port", type=int, default=8765)
             p.add_argument("--start-timeout", type=float, default=900)
     args = parser.parse_args()

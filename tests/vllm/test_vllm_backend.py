@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from kvweave.ops.quantize import dequantize, quantize  # noqa: E402
 from kvweave.vllm.backend import ENV_KERNEL  # noqa: E402
-from kvweave.vllm.config import PageSlot, QuantSlot, VllmMethod  # noqa: E402
+from kvweave.vllm.config import Basis, PageSlot, QuantSlot, VllmMethod, WeaveSlot, rope_cos_sin  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "vllm_bench.py"
@@ -92,6 +92,109 @@ def test_one_write_spanning_more_blocks_than_the_residual_holds_keeps_them_all()
     assert residual.keys.shape[0] <= 8
 
 
+# ------------------------------------------------------------------------------- depthweave (no engine)
+
+
+def test_weave_slot_holds_8x_and_full_rank_coordinates_round_trip() -> None:
+    """The default per-layer DepthWeave slot is 32 bytes a head (8x a bfloat16 slot); at full rank and 8 bits
+    the basis and the codes give the rows back to within a percent."""
+    layout = WeaveSlot.of(VllmMethod("depthweave"), 64, 2, 128)
+    assert layout.nbytes == 32 and VllmMethod("depthweave").slot_bytes(64, torch.bfloat16, 128, 2) == 32
+    torch.manual_seed(0)
+    x = torch.randn(300, 128) * torch.linspace(0.1, 5, 128) + 3
+    basis = Basis.fit(x, 128)
+    torch.testing.assert_close(basis.decode(basis.encode(x)), x, rtol=0, atol=2e-2)
+    wide = WeaveSlot.of(VllmMethod("depthweave", bits=8, rank_k=128, rank_v=128), 64, 2, 128)
+    coords = basis.encode(x)
+    ck, cv = wide.unpack(wide.pack(coords, coords * 2).transpose(0, 1))
+    assert (basis.decode(ck) - x).norm() / x.norm() < 0.01 and torch.allclose(cv, 2 * ck, atol=0.05)
+    offsets, errors = torch.tensor([[3, -1]]), torch.tensor([[0.5, float("-inf")]])
+    rows = torch.randn(1, 2, 64)
+    tails = layout.write_exact(offsets, errors, rows, -rows)  # [1, 2, block_size, tail]
+    slots = torch.zeros(1, 2, 128, layout.nbytes, dtype=torch.uint8)
+    slots[..., layout.scale_end :] = tails.unsqueeze(1).expand(-1, 2, -1, -1)
+    got = layout.read_exact(layout.tails(slots))
+    assert got[0][0, 0].tolist() == [3, -1] and got[1][0, 0, 1] == float("-inf")
+    torch.testing.assert_close(got[2][0, 0].float(), rows[0].half().float())
+
+
+def _weave_run(spec: str, monkeypatch: pytest.MonkeyPatch, keys: torch.Tensor, values: torch.Tensor, chunks):
+    """Write ``keys`` (pre-RoPE; rotated here as the model would), ``values`` ``[T, 2, 64]`` of one request
+    through the backend in ``chunks`` (prefill chunks, then decode steps), blocks of 16 tokens; returns the impl,
+    its float32 page view, the block table and the rotated keys."""
+    from kvweave.vllm.backend import KvweaveMetadata
+
+    impl = _impl(spec, monkeypatch)
+    impl.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    length, block = keys.shape[0], 16
+    cos, sin = rope_cos_sin(impl.inv_freq, torch.arange(length))
+    rotated = keys * cos.unsqueeze(1) + torch.cat([-keys[..., 32:], keys[..., :32]], -1) * sin.unsqueeze(1)
+    slot = WeaveSlot.of(impl.method, 64, 2, block)
+    cache = torch.zeros(40, 2, block, slot.nbytes // 4)
+    table = torch.randperm(40)[: -(-length // block)].int()
+    slots = (table.long().repeat_interleave(block) * block + torch.arange(block).repeat(len(table)))[:length]
+    written = 0
+    for count in chunks:
+        meta = KvweaveMetadata(
+            num_actual_tokens=count,
+            query_start=[0, count],
+            seq_lens=[written + count],
+            block_table=table.unsqueeze(0),
+            slot_mapping=slots[written : written + count],
+        )
+        query = torch.randn(count, 4, 64)
+        impl.forward(
+            None,
+            query,
+            rotated[written : written + count],
+            values[written : written + count],
+            cache,
+            meta,
+            torch.empty(count, 4, 64),
+        )
+        written += count
+    return impl, cache.view(torch.uint8), table, rotated
+
+
+def test_depthweave_stores_rotated_keys_and_reads_them_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys of rank 32 (pre-RoPE) and values of rank 48 arrive rotated; at those ranks and 8 bits the backend
+    gives back the rotated keys and the values to within 2 % over prefill chunks and decode steps — so its
+    de-rotation and re-rotation agree — and the request's first tokens exactly (the sinks)."""
+    torch.manual_seed(1)
+    length = 150
+    keys = (torch.randn(length, 32) @ torch.randn(32, 128)).view(length, 2, 64) + 1.0
+    values = (torch.randn(length, 48) @ torch.randn(48, 128)).view(length, 2, 64)
+    impl, pages, table, rotated = _weave_run(
+        "depthweave:bits=8,exact=0", monkeypatch, keys, values, [100, 20] + [1] * 30
+    )
+    held = -(-length // 16)
+    got_k, got_v = impl._stored(pages, impl.layout, table[:held].long(), length, length)
+    assert (got_k.transpose(0, 1) - rotated).norm() / rotated.norm() < 0.02
+    assert (got_v.transpose(0, 1) - values).norm() / values.norm() < 0.02
+    torch.testing.assert_close(got_k.transpose(0, 1)[:4], rotated[:4].half().float())
+    last = length - length % 16  # the newest, partial block: exact
+    torch.testing.assert_close(got_v.transpose(0, 1)[last:], values[last:])
+
+
+def test_depthweave_keeps_the_worst_represented_tokens_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token off the basis (a needle the prompt's first chunk did not contain) is its block's exact row,
+    whether it arrives in a prefill chunk or by a decode step; the others are rebuilt from coordinates."""
+    torch.manual_seed(2)
+    length = 128
+    keys = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64)
+    values = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64)
+    needles = torch.arange(64 + 5, length, 16)  # one per block after the basis was fitted
+    keys[needles] += 8 * torch.randn(len(needles), 2, 64)
+    values[needles] += 8 * torch.randn(len(needles), 2, 64)
+    impl, pages, table, rotated = _weave_run(
+        "depthweave:rank_k=16,rank_v=16,exact=1", monkeypatch, keys, values, [64, 32] + [1] * 32
+    )
+    got_k, got_v = impl._stored(pages, impl.layout, table.long(), length - 1, length)
+    for needle in needles.tolist():
+        torch.testing.assert_close(got_v.transpose(0, 1)[needle], values[needle].half().float())
+        torch.testing.assert_close(got_k.transpose(0, 1)[needle], rotated[needle].half().float())
+
+
 def test_bad_method_specs_fail_with_one_line() -> None:
     for spec, word in (
         ("quant:bits=3", "bits"),
@@ -100,6 +203,7 @@ def test_bad_method_specs_fail_with_one_line() -> None:
         ("dkcache:top_blocks=8", "'pages'"),  # the old name of the page retrieval: not DK-Cache itself
         ("quant:bits=4,bits=2", "given twice"),  # read by the registry's spec reader, as every spec is
         ("quant:", "nothing after ':'"),
+        ("depthweave:bits=2", "choose 8 or 4"),
     ):
         with pytest.raises(ValueError, match=word) as error:
             VllmMethod.parse(spec)
@@ -108,6 +212,8 @@ def test_bad_method_specs_fail_with_one_line() -> None:
         QuantSlot.of(VllmMethod("quant", bits=4, group=48), 64, 128)
     with pytest.raises(ValueError, match="must divide vLLM's block size"):
         QuantSlot.of(VllmMethod("quant", bits=4, key_group=48), 64, 128)
+    with pytest.raises(ValueError, match="rank_k=30 must be a multiple of 4"):
+        WeaveSlot.of(VllmMethod("depthweave", rank_k=30), 64, 2, 128)
 
 
 def _impl(method: str, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -231,7 +337,7 @@ def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     """float32 (no bf16 logit ties): vLLM's backend, pages (exact storage), quant at 8 and 4 bits."""
     out = tmp_path_factory.mktemp("tiny-runs")
     runs = {}
-    for method in ("none", "pages", "quant:bits=8", "quant:bits=4", "quant:bits=4 torch"):
+    for method in ("none", "pages", "quant:bits=8", "quant:bits=4", "quant:bits=4 torch", "depthweave"):
         name = method.replace(":", "-").replace("=", "").replace(" ", "-")
         os.environ[ENV_KERNEL] = "torch" if method.endswith(" torch") else "auto"
         method = method.removesuffix(" torch")
@@ -278,6 +384,40 @@ def test_tiny_kv_capacity_follows_the_slot_bytes(tiny_runs: dict[str, dict[str, 
     expected = (2 * 64 * 4) / QuantSlot.of(VllmMethod("quant", bits=bits), 64, 128).nbytes
     assert abs(ratio - expected) / expected < 0.01, (ratio, expected)
     assert ratio >= 0.85 * 32 / bits
+
+
+def test_tiny_depthweave_capacity_is_its_slot_bytes(tiny_runs: dict[str, dict[str, Any]]) -> None:
+    """Default per-layer DepthWeave: 32 bytes a slot against vLLM's 512 in float32 (16x; 8x against bf16),
+    and the bases it keeps beside the pages are counted."""
+    run = tiny_runs["depthweave"]
+    assert run["kv_tokens"] == 16 * tiny_runs["none"]["kv_tokens"]
+    assert run["stats"]["weave_bases"] > 0 and run["stats"]["weave_side_bytes"] > 0
+
+
+def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(tiny: Path, tmp_path: Path) -> None:
+    """At full rank and 8 bits, ~400-token prompts (full blocks rebuilt from coordinates and rotated back to
+    their positions, prefix-cached blocks reused with the basis of the request that wrote them) give vLLM's
+    own greedy tokens except at near ties."""
+    runs = {}
+    for method in ("none", "depthweave:bits=8,rank_k=128,rank_v=128"):
+        runs[method] = bench(
+            "generate",
+            "--model",
+            str(tiny),
+            "--method",
+            method,
+            "--dtype",
+            "float32",
+            "--prefix-caching",
+            "--out",
+            str(tmp_path / f"{method.split(':')[0]}.json"),
+        )
+    run = runs["depthweave:bits=8,rank_k=128,rank_v=128"]
+    result = agreement(runs["none"], run, TIE)
+    assert result["confident_mismatches"] == 0, result
+    half = len(run["tokens"]) // 2
+    assert all(cached >= 128 for cached in run["cached_tokens"][half:]), run["cached_tokens"]
+    assert run["tokens"][half:] == run["tokens"][:half]
 
 
 @pytest.mark.parametrize("method", ["quant:bits=8", "pages"])

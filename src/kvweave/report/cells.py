@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from html import escape
 from typing import Any
 
 
@@ -83,3 +84,23 @@ def bench_cells(row: dict[str, Any]) -> list[str]:
         _num(row.get("overhead_s"), "%+.2f"),
         _mib(row.get("peak_bytes"), "%.0f"),
     ]
+
+
+def html_table(header: list[str], lines: list[list[str]]) -> str:
+    """An HTML table: the first column is the name (left), the rest numbers; markdown backticks dropped."""
+    head = f'<th class="name">{escape(header[0])}</th>' + "".join(f"<th>{escape(c)}</th>" for c in header[1:])
+    body = []
+    for line in lines:
+        name, *numbers = (cell.strip("`") for cell in line)
+        cells = f'<td class="name">{escape(name)}</td>' + "".join(f"<td>{escape(c)}</td>" for c in numbers)
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def markdown_table(header: list[str], lines: list[list[str]], align: list[str] | None = None) -> str:
+    """A markdown table; ``align``: "l" or "r" per column (default: the first left, the rest right)."""
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    rule = ["---:" if a == "r" else ":---" for a in align]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    return "\n".join(out)

@@ -7,17 +7,14 @@ import re
 from typing import Any
 
 from kvweave.report import data, guide, page
-from kvweave.report.cells import BENCH_HEADER, PPL_HEADER, _num, bench_cells, ppl_cells
+from kvweave.report.cells import BENCH_HEADER, PPL_HEADER, _num, bench_cells, markdown_table, ppl_cells
 from kvweave.report.data import Run
 from kvweave.report.guide import NO_LOSS_POINTS
 from kvweave.report.serving import serving_markdown
 
 
 def _table(header: list[str], lines: list[list[str]], align: list[str]) -> str:
-    rule = ["---:" if a == "r" else ":---" for a in align]
-    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
-    out += ["| " + " | ".join(cells) + " |" for cells in lines]
-    return "\n".join(out)
+    return markdown_table(header, lines, align)
 
 
 def _pct(value: float | None) -> str:

@@ -475,15 +475,9 @@ def bench_gap_chart(rows: list[dict[str, Any]], batch: int, colors: dict[str, st
 
 def bench_table(rows: list[dict[str, Any]]) -> str:
     """One line per bench point: speed, speedup beside its bound, KV bytes held and read, prefill, peak."""
-    from kvweave.report.cells import BENCH_HEADER, bench_cells
+    from kvweave.report.cells import BENCH_HEADER, bench_cells, html_table
 
-    head = '<th class="name">method</th>' + "".join(f"<th>{escape(c)}</th>" for c in BENCH_HEADER[1:])
-    body = []
-    for row in rows:
-        method, *numbers = (cell.strip("`") for cell in bench_cells(row))
-        cells = f'<td class="name">{escape(method)}</td>' + "".join(f"<td>{escape(c)}</td>" for c in numbers)
-        body.append(f"<tr>{cells}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+    return html_table(BENCH_HEADER, [bench_cells(r) for r in rows])
 
 
 BENCH_INTRO = (

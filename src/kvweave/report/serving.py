@@ -14,6 +14,7 @@ from html import escape
 from typing import TYPE_CHECKING, Any
 
 from kvweave.report import svg
+from kvweave.report.cells import html_table, markdown_table
 
 if TYPE_CHECKING:
     from kvweave.report.data import Run
@@ -171,16 +172,6 @@ def serving_charts(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _table_html(rows: list[dict[str, Any]]) -> str:
-    head = '<th class="name">method</th>' + "".join(f"<th>{escape(c)}</th>" for c in SERVING_HEADER[1:])
-    body = []
-    for row in rows:
-        method, *numbers = (cell.strip("`") for cell in serving_cells(row))
-        cells = f'<td class="name">{escape(method)}</td>' + "".join(f"<td>{escape(c)}</td>" for c in numbers)
-        body.append(f"<tr>{cells}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
-
-
 def serving_section(runs: list[Run]) -> str:
     """The HTML section "Serving under load"; empty without serving rows."""
     groups = serving_groups(runs)
@@ -197,7 +188,7 @@ def serving_section(runs: list[Run]) -> str:
         if group.run.serving_command:
             parts.append(f"<pre>{escape(group.run.serving_command)}</pre>")
         parts.append(f'<div class="charts">{"".join(serving_charts(group.rows))}</div>')
-        parts.append(_table_html(group.rows))
+        parts.append(html_table(SERVING_HEADER, [serving_cells(r) for r in group.rows]))
     parts.append("</section>")
     return "\n".join(parts)
 
@@ -214,8 +205,5 @@ def serving_markdown(runs: list[Run]) -> str:
         parts += [f"### {heading}", ""]
         if group.run.serving_command:
             parts += ["Produced by:", "", "```sh", group.run.serving_command, "```", ""]
-        rule = ["---:" if i else ":---" for i in range(len(SERVING_HEADER))]
-        parts += ["| " + " | ".join(SERVING_HEADER) + " |", "| " + " | ".join(rule) + " |"]
-        parts += ["| " + " | ".join(serving_cells(r)) + " |" for r in group.rows]
-        parts.append("")
+        parts += [markdown_table(SERVING_HEADER, [serving_cells(r) for r in group.rows]), ""]
     return "\n".join(parts).rstrip()

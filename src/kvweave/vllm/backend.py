@@ -1,4 +1,5 @@
-"""The kvweave attention backend for vLLM (v1, 0.32): ``quant`` and ``pages`` over vLLM's paged KV cache.
+"""The kvweave attention backend for vLLM (v1, 0.32): ``quant``, ``pages`` and ``depthweave`` over vLLM's paged
+KV cache.
 
 Imported by vLLM only (through :data:`kvweave.vllm.BACKEND_PATH`). The method comes from ``KVWEAVE_VLLM_METHOD``
 (:class:`~kvweave.vllm.config.VllmMethod`). Storage is vLLM's: :meth:`KvweaveAttentionBackend.customize_spec`
@@ -8,7 +9,11 @@ read here as bytes.
 
 Storage (:mod:`kvweave.vllm.config`): ``quant`` writes values per token at once and keys through
 :class:`KeyResidual` — exact until their ``key_group`` of tokens is complete, then per channel into the page
-(KIVI); ``pages`` writes exact K/V and refreshes the written blocks' key summaries.
+(KIVI); ``pages`` writes exact K/V and refreshes the written blocks' key summaries; ``depthweave`` (per layer,
+fixed basis) fits a basis to a request's first prefill chunk (:class:`WeaveBases`, beside the pages), stores
+every token's de-rotated key and its value as coordinates on it, keeps each block's worst-represented tokens
+exact in the block's tails and the request's newest partial block exact beside the pages (two
+:class:`KeyResidual`), and rebuilds, re-rotates and overlays them at attention time (every stored token read).
 
 Attention:
 
@@ -25,7 +30,8 @@ Attention:
   the blocks read against the blocks held.
 
 Prefix caching and chunked prefill work: vLLM caches only full blocks, and a full block's codes, scales and
-summary depend on its own tokens only; a chunk reads the request's earlier blocks back from the cache.
+summary depend on its own tokens only (for ``depthweave``, also on the basis of the request's first block,
+which every request reusing that block shares); a chunk reads the request's earlier blocks back from the cache.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvweave.kernels.registry import Kernel, choose
 from kvweave.ops.attention import attention_with_lse, merge_parts
-from kvweave.vllm.config import ENV_METHOD, PageSlot, QuantSlot, VllmMethod
+from kvweave.ops.rope import rotate_half
+from kvweave.vllm.config import ENV_METHOD, Basis, PageSlot, QuantSlot, VllmMethod, WeaveSlot, rope_cos_sin
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
 ENV_KERNEL = "KVWEAVE_VLLM_KERNEL"
@@ -67,9 +74,12 @@ STATS: dict[str, int] = {
     "blocks_held": 0,
     "summary_blocks_read": 0,
     "fused_decode_rows": 0,
+    "weave_bases": 0,
+    "weave_side_bytes": 0,
 }
 """Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
-blocks the requests held, and blocks whose summary was read (``pages``). ``KVWEAVE_VLLM_STATS=path``
+blocks the requests held, and blocks whose summary was read (``pages``); for ``depthweave`` the bases held and
+their bytes beside vLLM's pages (``weave_bases``, ``weave_side_bytes``, summed over layers). ``KVWEAVE_VLLM_STATS=path``
 writes them there as JSON every 256 decode calls and at the end of each call that crosses that count."""
 _STATS_LOCK = threading.Lock()
 _calls = 0
@@ -106,7 +116,10 @@ class KvweaveAttentionBackend(AttentionBackend):
             return spec
         method = current_method()
         return replace(
-            spec, state_content_bytes=method.slot_bytes(spec.head_size, spec.dtype, spec.block_size)
+            spec,
+            state_content_bytes=method.slot_bytes(
+                spec.head_size, spec.dtype, spec.block_size, getattr(spec, "num_kv_heads", 1)
+            ),
         )
 
     @staticmethod
@@ -188,17 +201,28 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         self.group_size = num_heads // self.num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.method = current_method()
-        self.layout: QuantSlot | PageSlot | None = None  # built on first use (needs the dtype and block size)
+        self.layout: QuantSlot | PageSlot | WeaveSlot | None = (
+            None  # built on first use (needs the dtype and block size)
+        )
         self.residual: KeyResidual | None = None  # quant: exact keys of the key groups not yet quantized
         self.max_requests = _max_requests()
         self.fused_choice: dict[str, bool] = {}  # device type -> quant decode runs the fused kernel
+        # depthweave: the requests' bases and sinks, the newest (partial) block of each request exact, and the
+        # model's rotary frequencies (read from vLLM's model config on first use; tests may set them)
+        self.bases: WeaveBases | None = None
+        self.recent: tuple[KeyResidual, KeyResidual] | None = None
+        self.inv_freq: torch.Tensor | None = None
+        if self.method.name == "depthweave":
+            self.inv_freq = _rope_inv_freq(head_size)
 
     # ----------------------------------------------------------------------------------------- layout
-    def _layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> QuantSlot | PageSlot:
+    def _layout(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> QuantSlot | PageSlot | WeaveSlot:
         if self.layout is None:
             block_size, nbytes = kv_cache.shape[2], kv_cache.shape[3] * kv_cache.element_size()
             if self.method.name == "quant":
                 self.layout = QuantSlot.of(self.method, self.head_size, block_size)
+            elif self.method.name == "depthweave":
+                self.layout = WeaveSlot.of(self.method, self.head_size, self.num_kv_heads, block_size)
             else:
                 self.layout = PageSlot.of(self.head_size, dtype, block_size)
             if self.layout.nbytes != nbytes:
@@ -218,8 +242,13 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write ``key, value: [N, H, D]`` into their slots (``slot_mapping: [N]``, -1 = padding)."""
+        """Write ``key, value: [N, H, D]`` into their slots (``slot_mapping: [N]``, -1 = padding).
+
+        ``depthweave`` stores in :meth:`forward` instead: de-rotating keys needs the tokens' positions, which
+        the attention metadata gives and this hook does not."""
         layout = self._layout(kv_cache, key.dtype)
+        if isinstance(layout, WeaveSlot):
+            return
         pages = kv_cache.view(torch.uint8)  # [blocks, H, block_size, C]
         count = min(slot_mapping.shape[0], key.shape[0])
         slots = slot_mapping[:count].long()
@@ -310,6 +339,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         layout = self._layout(kv_cache, query.dtype)
         pages = kv_cache.view(torch.uint8)
         meta = attn_metadata
+        if isinstance(layout, WeaveSlot):
+            self._weave_store(key, value, pages, layout, meta)
         decode_calls = 0
         for row, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start[row], meta.query_start[row + 1]
@@ -334,7 +365,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         pages: torch.Tensor,
-        layout: QuantSlot | PageSlot,
+        layout: QuantSlot | PageSlot | WeaveSlot,
         table: torch.Tensor,
         seq_len: int,
     ) -> torch.Tensor:
@@ -418,10 +449,17 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         return out.reshape(1, self.num_heads, -1)
 
     def _stored(
-        self, pages: torch.Tensor, layout: QuantSlot | PageSlot, ids: torch.Tensor, cached: int, seq_len: int
+        self,
+        pages: torch.Tensor,
+        layout: QuantSlot | PageSlot | WeaveSlot,
+        ids: torch.Tensor,
+        cached: int,
+        seq_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``cached`` tokens of a request as stored: ``keys, values: [H, cached, D]``."""
         blocks = pages[ids]  # [held, H, block_size, C]
+        if isinstance(layout, WeaveSlot):
+            return self._weave_stored(blocks, layout, ids, cached)
         if isinstance(layout, PageSlot):
             keys, values = layout.unpack(blocks.transpose(0, 1).flatten(1, 2)[:, :cached])
             return keys, values
@@ -468,6 +506,104 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         visible = (token < seq_len).unsqueeze(1)  # [H, 1, T]
         out, _ = attention_with_lse(queries, keys, values, visible, self.scale)  # [H, g, D]
         return out.reshape(1, self.num_heads, -1)
+
+    # ----------------------------------------------------------------------------------------- depthweave
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq is None:
+            raise RuntimeError(
+                "kvweave depthweave: the model's rotary frequencies are unknown (no vLLM config)"
+            )
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]: broadcast over KV heads
+
+    def _weave_store(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        meta: KvweaveMetadata,
+    ) -> None:
+        """Store each request's new tokens: coordinates on its basis (fitted here from a request's first chunk),
+        the block's worst-represented tokens exact in the tails, the newest partial block exact beside."""
+        if self.bases is None:
+            self.bases = WeaveBases(4 * self.max_requests)
+            residual = (self.num_kv_heads, pages.shape[2], self.head_size, key.dtype, self.max_requests)
+            self.recent = (KeyResidual(*residual), KeyResidual(*residual))
+        assert self.recent is not None
+        block_size, heads = pages.shape[2], self.num_kv_heads
+        for row, seq_len in enumerate(meta.seq_lens):
+            start, end = meta.query_start[row], meta.query_start[row + 1]
+            if end <= start:
+                continue
+            slots = meta.slot_mapping[start:end].long()
+            keep = slots >= 0
+            if not bool(keep.all()):
+                raise RuntimeError(
+                    "kvweave depthweave: a request's new token has no slot (-1 in the slot mapping)"
+                )
+            first = seq_len - (end - start)
+            k_exact, v_exact = key[start:end], value[start:end]  # [n, H, D], post-RoPE keys
+            cos, sin = self._rope(torch.arange(first, seq_len))
+            k_pre = (k_exact.float() * cos - rotate_half(k_exact.float()) * sin).flatten(1)  # [n, H·D]
+            v_flat = v_exact.float().flatten(1)
+            owner = int(meta.block_table[row, 0])
+            if first == 0:
+                entry = WeaveEntry(
+                    Basis.fit(k_pre, layout.rank_k), Basis.fit(v_flat, layout.rank_v), self.method.sinks
+                )
+                self.bases.put(owner, entry)
+            else:
+                entry = self.bases.get(owner)
+            entry.add_sinks(first, k_exact, v_exact)
+            packed = layout.pack(entry.k.encode(k_pre), entry.v.encode(v_flat))  # [n, H, scale_end]
+            blocks, offsets = slots // block_size, slots % block_size
+            pages[blocks, :, offsets, : layout.scale_end] = packed
+            if layout.exact:
+                ck, cv = layout.unpack(packed.transpose(0, 1))
+                error = _relative_error(entry.k.decode(ck), k_pre, heads) + _relative_error(
+                    entry.v.decode(cv), v_flat, heads
+                )  # [n, H]: how badly the stored form represents each token
+                _keep_worst_exact(pages, layout, blocks, offsets, error, k_exact, v_exact)
+            for residual, exact in zip(self.recent, (k_exact, v_exact), strict=True):
+                kept = residual.store(blocks, offsets, exact)
+                full = kept & (offsets == block_size - 1)
+                residual.release(blocks[full])
+        _weave_side(id(self), len(self.bases.entries), self.bases.nbytes())
+
+    def _weave_stored(
+        self, blocks: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``cached`` tokens as stored (``blocks: [held, H, block_size, C]``): rebuilt from their
+        coordinates and rotated to their positions, then the exact rows, the sinks and the newest partial
+        block laid over them. Returns ``keys, values: [H, cached, D]`` float32."""
+        assert self.bases is not None and self.recent is not None
+        heads, block_size = self.num_kv_heads, blocks.shape[2]
+        entry = self.bases.get(int(ids[0]))
+        ck, cv = layout.unpack(blocks)  # [held, block_size, r]
+        keys = entry.k.decode(ck.flatten(0, 1)[:cached]).view(cached, heads, -1)
+        values = entry.v.decode(cv.flatten(0, 1)[:cached]).view(cached, heads, -1)
+        cos, sin = self._rope(torch.arange(cached))
+        keys = keys * cos + rotate_half(keys) * sin
+        if layout.exact:
+            offsets, _, exact_keys, exact_values = layout.read_exact(
+                layout.tails(blocks)
+            )  # [held, H, E, ...]
+            position = torch.arange(blocks.shape[0]).view(-1, 1, 1) * block_size + offsets
+            valid = (offsets >= 0) & (position < cached)
+            head = torch.arange(heads).view(1, -1, 1).expand_as(position)
+            keys[position[valid], head[valid]] = exact_keys[valid].float()
+            values[position[valid], head[valid]] = exact_values[valid].float()
+        sinks = min(entry.sinks_held, cached)
+        keys[:sinks], values[:sinks] = entry.sink_k[:sinks].float(), entry.sink_v[:sinks].float()
+        last = int(ids[-1])
+        if last in self.recent[0].row_of:  # the newest block is partial: its tokens exact
+            first = (ids.shape[0] - 1) * block_size
+            span = slice(0, cached - first)
+            for target, residual in zip((keys, values), self.recent, strict=True):
+                row = residual.row_of[last]
+                target[first:cached] = residual.keys[row, :, span].transpose(0, 1).float()
+        return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 class KeyResidual:
@@ -548,6 +684,133 @@ class KeyResidual:
         return self.free.pop()
 
 
+@dataclasses.dataclass
+class WeaveEntry:
+    """One request's DepthWeave state in one layer: the key and value bases and its first ``sinks`` tokens."""
+
+    k: Basis
+    v: Basis
+    sinks: int
+    sink_k: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
+    sink_v: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
+
+    @property
+    def sinks_held(self) -> int:
+        return int(self.sink_k.shape[0])
+
+    def add_sinks(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep the exact (post-RoPE) rows of positions ``first ...`` that fall among the first ``sinks``."""
+        take = min(self.sinks, first + keys.shape[0]) - first
+        if take <= 0 or first != self.sinks_held:
+            return
+        new_k, new_v = keys[:take].half(), values[:take].half()
+        self.sink_k = new_k if first == 0 else torch.cat([self.sink_k, new_k])
+        self.sink_v = new_v if first == 0 else torch.cat([self.sink_v, new_v])
+
+    @property
+    def nbytes(self) -> int:
+        exact = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v))
+        return self.k.nbytes + self.v.nbytes + exact
+
+
+class WeaveBases:
+    """The requests' :class:`WeaveEntry` of one layer, keyed by the request's first block: a request that
+    reuses prefix-cached blocks reuses the first block, whose basis those blocks were written with.
+
+    Outside vLLM's allocator (:data:`STATS` ``weave_side_bytes``, summed over layers by the caller), at most
+    ``max_entries`` (four times ``max_num_seqs``); the least recently used entry goes first."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.entries: dict[int, WeaveEntry] = {}
+        self.max_entries = max_entries
+
+    def put(self, block: int, entry: WeaveEntry) -> None:
+        self.entries.pop(block, None)
+        self.entries[block] = entry
+        while len(self.entries) > self.max_entries:
+            self.entries.pop(next(iter(self.entries)))
+
+    def get(self, block: int) -> WeaveEntry:
+        entry = self.entries.pop(block, None)
+        if entry is None:
+            raise RuntimeError(
+                f"kvweave depthweave: no basis for the request whose first block is {block} (more than "
+                f"{self.max_entries} requests since it was written, through prefix caching); run with "
+                "--no-enable-prefix-caching or a larger max_num_seqs"
+            )
+        self.entries[block] = entry  # most recently used last
+        return entry
+
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries.values())
+
+
+def _relative_error(stored: torch.Tensor, exact: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[n, H·D]`` rows -> ``[n, H]`` squared error over squared norm, per KV head."""
+    error = (stored - exact).view(exact.shape[0], heads, -1).pow(2).sum(-1)
+    return error / exact.view(exact.shape[0], heads, -1).pow(2).sum(-1).clamp(min=1e-12)
+
+
+def _keep_worst_exact(
+    pages: torch.Tensor,
+    layout: WeaveSlot,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    error: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Per block and KV head, keep exact the ``layout.exact`` tokens with the largest error among those already
+    exact and the ones just written (``error: [N, H]``; ``keys, values: [N, H, D]`` exact). A block written
+    from its first slot starts with none; a token written again (vLLM recomputing a cached block's last token)
+    replaces its own entry."""
+    e, block_size = layout.exact, pages.shape[2]
+    touched, inverse = torch.unique(blocks, return_inverse=True)
+    u, heads = touched.shape[0], error.shape[1]
+    old_off, old_err, old_k, old_v = layout.read_exact(layout.tails(pages[touched]))  # [U, H, E(, D)]
+    fresh = torch.zeros(u, dtype=torch.bool).index_fill_(0, inverse[offsets == 0], True)
+    written = torch.zeros(u, block_size, dtype=torch.bool)
+    written[inverse, offsets] = True
+    rewritten = written.gather(1, old_off.clamp(min=0).flatten(1)).view_as(old_off)
+    old_err = old_err.masked_fill(fresh.view(-1, 1, 1) | rewritten | (old_off < 0), float("-inf"))
+    candidates = torch.full((u, heads, e + block_size), float("-inf"))
+    candidates[:, :, :e] = old_err
+    head = torch.arange(heads)
+    candidates[inverse.unsqueeze(1), head, (e + offsets).unsqueeze(1)] = error.float()
+    rows = torch.zeros(u, heads, e + block_size, 2, keys.shape[-1], dtype=torch.float16)
+    rows[:, :, :e, 0], rows[:, :, :e, 1] = old_k, old_v
+    rows[inverse.unsqueeze(1), head, (e + offsets).unsqueeze(1)] = torch.stack([keys, values], dim=2).half()
+    best_err, best = candidates.topk(e, dim=-1)  # [U, H, E]
+    from_old = best < e
+    offset = torch.where(from_old, old_off.gather(2, best.clamp(max=e - 1)), best - e)
+    offset = offset.masked_fill(best_err == float("-inf"), -1)
+    chosen = rows.gather(2, best[..., None, None].expand(-1, -1, -1, 2, keys.shape[-1]))
+    tails = layout.write_exact(offset, best_err, chosen[..., 0, :], chosen[..., 1, :])
+    pages[touched, :, :, layout.scale_end :] = tails
+
+
+def _rope_inv_freq(head_size: int) -> torch.Tensor | None:
+    """The model's rotary frequencies from vLLM's model config (default RoPE, the whole head rotated); None
+    outside an engine (unit tests set them)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        config = get_current_vllm_config().model_config.hf_config
+    except (AssertionError, AttributeError):
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    parameters = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    theta = parameters.get("rope_theta", getattr(text, "rope_theta", None))
+    partial = float(parameters.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)))
+    if kind != "default" or theta is None or partial != 1.0:
+        raise ValueError(
+            f"kvweave depthweave in vLLM: rotary embedding {kind!r} (theta {theta}, partial {partial}) is not "
+            f"supported, only the default RoPE over the whole head; unset {ENV_METHOD} or use quant/pages"
+        )
+    return 1.0 / (float(theta) ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)).float()
+
+
 def _first_offsets(blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[list[int], list[int]]:
     """The distinct blocks written and the smallest offset written in each."""
     touched, inverse = torch.unique(blocks, return_inverse=True)
@@ -568,6 +831,17 @@ def _add_stats(**counts: int) -> None:
     with _STATS_LOCK:
         for name, value in counts.items():
             STATS[name] += value
+
+
+_WEAVE_SIDE: dict[int, tuple[int, int]] = {}  # impl (layer) -> (entries, bytes) held beside the pages
+
+
+def _weave_side(layer: int, entries: int, nbytes: int) -> None:
+    """Record one layer's DepthWeave side state; :data:`STATS` holds the sums over layers."""
+    with _STATS_LOCK:
+        _WEAVE_SIDE[layer] = (entries, nbytes)
+        STATS["weave_bases"] = sum(e for e, _ in _WEAVE_SIDE.values())
+        STATS["weave_side_bytes"] = sum(b for _, b in _WEAVE_SIDE.values())
 
 
 def _count_calls(rows: int) -> None:

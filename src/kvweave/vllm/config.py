@@ -11,6 +11,13 @@ Torch only (no vLLM import), so the layouts are tested against kvweave's own qua
   small tail; the tails of a block's ``block_size`` slots, read together, hold that block's per-channel key
   minimum and maximum in the model's dtype (the Quest summary, :mod:`kvweave.ops.pages`). The summaries live in
   vLLM's own pages, so the allocator accounts for them.
+- ``depthweave`` (DepthWeave's per-layer form, fixed basis): each token's keys (de-rotated, pre-RoPE) and values
+  are stored as ``rank_k`` / ``rank_v`` coordinates on a per-request, per-layer basis fitted to the request's
+  first prefill chunk (centred, columns normalised, INT4/INT8 with one float16 scale per slot and side); the
+  coordinates of the ``H·D``-wide row are split over the token's ``H`` slots. Each block keeps up to ``exact``
+  tokens per KV head exact (the ones the basis represents worst), in float16, in its slots' tails. The basis,
+  the column scales and the request's first ``sinks`` tokens (exact) live beside the pages
+  (:class:`~kvweave.vllm.backend.WeaveBases`); nothing refits, so a full block never changes.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 from kvweave.ops.quantize import pack_codes, quantize, unpack_codes
 
 ENV_METHOD = "KVWEAVE_VLLM_METHOD"
-METHODS = ("quant", "pages")
+METHODS = ("quant", "pages", "depthweave")
 _SCALE_BYTES = 2  # float16 scale and minimum
 _ALIGN = 4  # slot bytes stay a multiple of 4 so float32 models can view the page too
 
@@ -32,8 +39,9 @@ _ALIGN = 4  # slot bytes stay a multiple of 4 so float32 models can view the pag
 @dataclasses.dataclass(frozen=True)
 class VllmMethod:
     """A kvweave method for vLLM: ``quant`` (``bits``; ``key_group``: tokens per per-channel key scale;
-    ``group``: channels per value scale, 0 = the whole head) or ``pages`` (``sink_blocks``, ``core_blocks``,
-    ``top_blocks``)."""
+    ``group``: channels per value scale, 0 = the whole head), ``pages`` (``sink_blocks``, ``core_blocks``,
+    ``top_blocks``) or ``depthweave`` (``bits`` 8 or 4; ``rank_k``, ``rank_v``: coordinates per token over all
+    KV heads; ``exact``: exact tokens per block and KV head; ``sinks``: the request's first tokens kept exact)."""
 
     name: str
     bits: int = 4
@@ -42,6 +50,10 @@ class VllmMethod:
     sink_blocks: int = 1
     core_blocks: int = 4
     top_blocks: int = 8
+    rank_k: int = 32
+    rank_v: int = 48
+    exact: int = 2
+    sinks: int = 4
 
     def __post_init__(self) -> None:
         if self.name == "dkcache":
@@ -57,6 +69,20 @@ class VllmMethod:
             raise ValueError(
                 f"{ENV_METHOD}: quant option bits={self.bits} is not supported; choose 8, 4 or 2"
             )
+        if self.name == "depthweave" and self.bits not in (8, 4):
+            raise ValueError(
+                f"{ENV_METHOD}: depthweave option bits={self.bits} is not supported; choose 8 or 4"
+            )
+        for option in ("rank_k", "rank_v"):
+            if getattr(self, option) < 1:
+                raise ValueError(
+                    f"{ENV_METHOD}: depthweave option {option}={getattr(self, option)} must be >= 1"
+                )
+        for option in ("exact", "sinks"):
+            if getattr(self, option) < 0:
+                raise ValueError(
+                    f"{ENV_METHOD}: depthweave option {option}={getattr(self, option)} must be >= 0"
+                )
         if self.key_group < 1:
             raise ValueError(
                 f"{ENV_METHOD}: option key_group={self.key_group} must be >= 1 (tokens per key scale)"
@@ -79,12 +105,19 @@ class VllmMethod:
         """The canonical spec string (the options that apply to this method)."""
         if self.name == "quant":
             return f"quant:bits={self.bits},group={self.group},key_group={self.key_group}"
+        if self.name == "depthweave":
+            return (
+                f"depthweave:bits={self.bits},rank_k={self.rank_k},rank_v={self.rank_v},exact={self.exact},"
+                f"sinks={self.sinks}"
+            )
         return f"pages:sink_blocks={self.sink_blocks},core_blocks={self.core_blocks},top_blocks={self.top_blocks}"
 
-    def slot_bytes(self, head_size: int, dtype: torch.dtype, block_size: int) -> int:
+    def slot_bytes(self, head_size: int, dtype: torch.dtype, block_size: int, heads: int = 1) -> int:
         """Bytes of one KV slot (what vLLM's ``AttentionSpec.state_content_bytes`` declares)."""
         if self.name == "quant":
             return QuantSlot.of(self, head_size, block_size).nbytes
+        if self.name == "depthweave":
+            return WeaveSlot.of(self, head_size, heads, block_size).nbytes
         return PageSlot.of(head_size, dtype, block_size).nbytes
 
 
@@ -273,3 +306,185 @@ class PageSlot:
         data = torch.cat([low.to(self.dtype), high.to(self.dtype)], dim=-1).contiguous().view(torch.uint8)
         padded = torch.nn.functional.pad(data, (0, self.block_size * self.tail_bytes - self.summary_bytes))
         return padded.unflatten(-1, (self.block_size, self.tail_bytes))
+
+
+# ----------------------------------------------------------------------------------------------- depthweave
+
+_EXACT_META = 4  # per exact row: its slot offset (int16) and its error (float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeaveSlot:
+    """``[key codes | value codes | key scale, value scale | tail]`` (bytes) of one token and KV head.
+
+    - codes: this head's share (``rank / H`` consecutive coordinates) of the token's key and value coordinates,
+      symmetric integers offset by ``2^(bits-1)``, packed by :func:`~kvweave.ops.quantize.pack_codes`; one
+      float16 scale per side;
+    - the tails of a block's slots, read together per KV head, hold its ``exact`` exact rows:
+      ``offsets int16 [E] | errors float16 [E] | keys float16 [E, D] | values float16 [E, D]`` (offset -1: empty).
+    """
+
+    head_size: int
+    heads: int
+    rank_k: int
+    rank_v: int
+    bits: int
+    exact: int
+    block_size: int
+
+    @classmethod
+    def of(cls, method: VllmMethod, head_size: int, heads: int, block_size: int) -> WeaveSlot:
+        per = 8 // method.bits
+        for option in ("rank_k", "rank_v"):
+            rank = getattr(method, option)
+            if rank > heads * head_size or rank % (heads * per):
+                raise ValueError(
+                    f"{ENV_METHOD}: depthweave option {option}={rank} must be a multiple of {heads * per} "
+                    f"(KV heads x codes per byte) and at most {heads * head_size} (KV heads x head size)"
+                )
+        if method.exact >= block_size:
+            raise ValueError(
+                f"{ENV_METHOD}: depthweave option exact={method.exact} must be below the block size {block_size}"
+            )
+        return cls(head_size, heads, method.rank_k, method.rank_v, method.bits, method.exact, block_size)
+
+    @property
+    def k_share(self) -> int:
+        return self.rank_k // self.heads
+
+    @property
+    def v_share(self) -> int:
+        return self.rank_v // self.heads
+
+    @property
+    def k_bytes(self) -> int:
+        return self.k_share * self.bits // 8
+
+    @property
+    def v_bytes(self) -> int:
+        return self.v_share * self.bits // 8
+
+    @property
+    def code_end(self) -> int:
+        return self.k_bytes + self.v_bytes
+
+    @property
+    def scale_end(self) -> int:
+        return self.code_end + 2 * _SCALE_BYTES
+
+    @property
+    def exact_bytes(self) -> int:
+        """Per block and KV head: the exact rows with their offsets and errors."""
+        return self.exact * (_EXACT_META + 4 * self.head_size)
+
+    @property
+    def tail_bytes(self) -> int:
+        return _aligned(self.scale_end + math.ceil(self.exact_bytes / self.block_size)) - self.scale_end
+
+    @property
+    def nbytes(self) -> int:
+        return self.scale_end + self.tail_bytes
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def pack(self, k_coords: torch.Tensor, v_coords: torch.Tensor) -> torch.Tensor:
+        """Coordinates ``[N, rank_k]``, ``[N, rank_v]`` -> the slots' code and scale bytes ``[N, H, scale_end]``."""
+        codes, scales = [], []
+        offset = self.qmax + 1
+        for coords, share in ((k_coords, self.k_share), (v_coords, self.v_share)):
+            x = coords.float().reshape(coords.shape[0], self.heads, share)
+            scale = (x.abs().amax(-1, keepdim=True) / self.qmax).clamp(1e-8, 6e4).half()
+            code = (x / scale.float()).round().clamp(-self.qmax, self.qmax) + offset
+            codes.append(pack_codes(code.to(torch.uint8), self.bits))
+            scales.append(scale)
+        meta = torch.cat(scales, dim=-1).contiguous().view(torch.uint8)
+        return torch.cat([*codes, meta], dim=-1)
+
+    def unpack(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``[..., H, T, nbytes]`` -> coordinates ``[..., T, rank_k]``, ``[..., T, rank_v]`` in float32
+        (for packed tokens ``[N, H, scale_end]`` pass ``packed.transpose(0, 1)``)."""
+        offset = self.qmax + 1
+        scales = slots[..., self.code_end : self.scale_end].contiguous().view(torch.float16).float()
+        k = unpack_codes(slots[..., : self.k_bytes].contiguous(), self.bits).float() - offset
+        v = unpack_codes(slots[..., self.k_bytes : self.code_end].contiguous(), self.bits).float() - offset
+        k, v = k * scales[..., :1], v * scales[..., 1:]
+        # [..., H, T, share] -> [..., T, H·share]: the head's share is its block of the coordinates
+        return k.transpose(-3, -2).flatten(-2), v.transpose(-3, -2).flatten(-2)
+
+    def tails(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks ``[nb, H, block_size, nbytes]`` -> their exact-row bytes ``[nb, H, exact_bytes]`` (a copy)."""
+        return blocks[..., self.scale_end :].flatten(-2)[..., : self.exact_bytes].contiguous()
+
+    def read_exact(
+        self, tails: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tail bytes ``[..., exact_bytes]`` -> ``offsets`` (long, -1 empty), ``errors`` (float32; -inf empty),
+        ``keys, values`` (float16) ``[..., E(, D)]``."""
+        e, d = self.exact, self.head_size
+        offsets = tails[..., : 2 * e].contiguous().view(torch.int16).long()
+        errors = tails[..., 2 * e : 4 * e].contiguous().view(torch.float16).float()
+        rows = tails[..., 4 * e :].contiguous().view(torch.float16).unflatten(-1, (2, e, d))
+        errors = errors.masked_fill(offsets < 0, float("-inf"))
+        return offsets, errors, rows[..., 0, :, :], rows[..., 1, :, :]
+
+    def write_exact(
+        self, offsets: torch.Tensor, errors: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """The inverse of :meth:`read_exact`, padded to the blocks' slots: ``[U, H, block_size, tail_bytes]``."""
+        data = torch.cat(
+            [
+                offsets.to(torch.int16).contiguous().view(torch.uint8),
+                errors.clamp(-6e4, 6e4).half().contiguous().view(torch.uint8),
+                torch.stack([keys.half(), values.half()], dim=-3).flatten(-3).contiguous().view(torch.uint8),
+            ],
+            dim=-1,
+        )
+        padded = torch.nn.functional.pad(data, (0, self.block_size * self.tail_bytes - self.exact_bytes))
+        return padded.unflatten(-1, (self.block_size, self.tail_bytes))
+
+
+@dataclasses.dataclass
+class Basis:
+    """One side (keys pre-RoPE, or values) of one request and layer: ``x ≈ (c ⊙ scale) · rows + mean``.
+
+    ``rows: [r, H·D]`` orthonormal (float16), the top eigenvectors of the centred rows' Gram; ``scale: [r]`` the
+    coordinates' RMS over the fitted rows, so stored coordinates are about unit-sized in every column."""
+
+    mean: torch.Tensor  # [H·D] float32
+    rows: torch.Tensor  # [r, H·D] float16
+    scale: torch.Tensor  # [r] float32
+
+    @classmethod
+    def fit(cls, x: torch.Tensor, rank: int) -> Basis:
+        """The rank-``rank`` basis of ``x: [n, H·D]`` (any ``n >= 1``: few rows leave arbitrary orthonormal
+        directions, whose column scales fall back to a floor)."""
+        x = x.float()
+        mean = x.mean(0)
+        centred = (x - mean).double()
+        _, vectors = torch.linalg.eigh(centred.T @ centred)
+        rows = vectors[:, -rank:].flip(-1).T.float()  # [r, H·D], largest first
+        coords = (x - mean) @ rows.T
+        floor = 1e-2 * float(x.pow(2).mean().sqrt()) + 1e-6
+        scale = coords.pow(2).mean(0).sqrt().clamp(min=floor)
+        return cls(mean, rows.half(), scale)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [N, H·D]`` -> normalised coordinates ``[N, r]``."""
+        return (x.float() - self.mean) @ self.rows.float().T / self.scale
+
+    def decode(self, coords: torch.Tensor) -> torch.Tensor:
+        """Normalised coordinates ``[N, r]`` -> rows ``[N, H·D]`` float32."""
+        return (coords * self.scale) @ self.rows.float() + self.mean
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.mean, self.rows, self.scale))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin: [T, D]`` float32 of the ``rotate_half`` rotary embedding at ``positions: [T]``."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.float()
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
