@@ -394,13 +394,16 @@ def test_tiny_depthweave_capacity_is_its_slot_bytes(tiny_runs: dict[str, dict[st
     assert run["stats"]["weave_bases"] > 0 and run["stats"]["weave_side_bytes"] > 0
 
 
-def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(tiny: Path, tmp_path: Path) -> None:
-    """At full rank and 8 bits, ~400-token prompts (full blocks rebuilt from coordinates and rotated back to
-    their positions, prefix-cached blocks reused with the basis of the request that wrote them) give vLLM's
-    own greedy tokens except at near ties."""
-    runs = {}
-    for method in ("none", "depthweave:bits=8,rank_k=128,rank_v=128"):
-        runs[method] = bench(
+FULL_RANK_WEAVE = "depthweave:bits=8,rank_k=128,rank_v=128"
+
+
+@pytest.fixture(scope="module")
+def prefix_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """~400-token prompts sent twice with prefix caching on, float32: the second pass reuses the first pass's
+    full blocks. ``pages`` stores exact K/V (its tokens are vLLM's own, test above)."""
+    out = tmp_path_factory.mktemp("prefix-runs")
+    return {
+        method: bench(
             "generate",
             "--model",
             str(tiny),
@@ -410,35 +413,30 @@ def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(tiny: Path, tmp_path: P
             "float32",
             "--prefix-caching",
             "--out",
-            str(tmp_path / f"{method.split(':')[0]}.json"),
+            str(out / f"{method.split(':')[0]}-{len(method)}.json"),
         )
-    run = runs["depthweave:bits=8,rank_k=128,rank_v=128"]
-    result = agreement(runs["none"], run, TIE)
+        for method in ("pages", "quant:bits=8", FULL_RANK_WEAVE)
+    }
+
+
+@pytest.mark.parametrize("method", ["quant:bits=8", "pages", FULL_RANK_WEAVE])
+def test_tiny_prefix_caching_gives_the_same_tokens(
+    prefix_runs: dict[str, dict[str, Any]], method: str
+) -> None:
+    """The second pass (vLLM reports the cached tokens) gives the first pass's greedy tokens."""
+    run = prefix_runs[method]
+    half = len(run["tokens"]) // 2
+    assert all(cached >= 128 for cached in run["cached_tokens"][half:]), run["cached_tokens"]
+    assert run["tokens"][half:] == run["tokens"][:half]
+
+
+def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(prefix_runs: dict[str, dict[str, Any]]) -> None:
+    """At full rank and 8 bits, blocks rebuilt from coordinates and rotated back to their positions (and
+    prefix-cached blocks read with the basis of the request that wrote them) give the greedy tokens of exact
+    storage except at near ties."""
+    result = agreement(prefix_runs["pages"], prefix_runs[FULL_RANK_WEAVE], TIE)
     assert result["confident_mismatches"] == 0, result
-    half = len(run["tokens"]) // 2
-    assert all(cached >= 128 for cached in run["cached_tokens"][half:]), run["cached_tokens"]
-    assert run["tokens"][half:] == run["tokens"][:half]
-
-
-@pytest.mark.parametrize("method", ["quant:bits=8", "pages"])
-def test_tiny_prefix_caching_gives_the_same_tokens(tiny: Path, tmp_path: Path, method: str) -> None:
-    """~400-token prompts sent twice: the second pass reuses the first pass's full blocks (vLLM reports the
-    cached tokens) and must give the same greedy tokens."""
-    run = bench(
-        "generate",
-        "--model",
-        str(tiny),
-        "--method",
-        method,
-        "--dtype",
-        "float32",
-        "--prefix-caching",
-        "--out",
-        str(tmp_path / "prefix.json"),
-    )
-    half = len(run["tokens"]) // 2
-    assert all(cached >= 128 for cached in run["cached_tokens"][half:]), run["cached_tokens"]
-    assert run["tokens"][half:] == run["tokens"][:half]
+    assert prefix_runs[FULL_RANK_WEAVE]["stats"]["weave_bases"] > 0
 
 
 # ------------------------------------------------------------------------------ qwen2.5-coder-0.5b

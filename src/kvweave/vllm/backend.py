@@ -527,7 +527,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         """Store each request's new tokens: coordinates on its basis (fitted here from a request's first chunk),
         the block's worst-represented tokens exact in the tails, the newest partial block exact beside."""
         if self.bases is None:
-            self.bases = WeaveBases(4 * self.max_requests)
+            self.bases = WeaveBases(max(64, 8 * self.max_requests))
             residual = (self.num_kv_heads, pages.shape[2], self.head_size, key.dtype, self.max_requests)
             self.recent = (KeyResidual(*residual), KeyResidual(*residual))
         assert self.recent is not None
@@ -718,7 +718,8 @@ class WeaveBases:
     reuses prefix-cached blocks reuses the first block, whose basis those blocks were written with.
 
     Outside vLLM's allocator (:data:`STATS` ``weave_side_bytes``, summed over layers by the caller), at most
-    ``max_entries`` (four times ``max_num_seqs``); the least recently used entry goes first."""
+    ``max_entries`` (eight times ``max_num_seqs``, at least 64); the least recently used entry goes first. A
+    request reusing (by prefix caching) a first block whose entry went first fails with a line naming the way out."""
 
     def __init__(self, max_entries: int) -> None:
         self.entries: dict[int, WeaveEntry] = {}

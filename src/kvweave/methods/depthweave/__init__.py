@@ -173,6 +173,13 @@ __all__ = [
 class DepthWeave(Method):
     """DepthWeave-KV: cross-layer shared token bases, token-adaptive ranks, exact rows, probe-chosen ranks."""
 
+    vllm: ClassVar[str] = (
+        "served by the vLLM plugin in its per-layer form only, KVWEAVE_VLLM_METHOD=depthweave (a basis per "
+        "request and layer fitted once to the first prefill chunk, fixed ranks, INT4 coordinates in vLLM's "
+        "blocks, the worst-represented tokens exact; no cross-layer bases, probes, protect, refits or selective "
+        "decode: vLLM's blocks are per layer and immutable once full; docs/vllm.md)"
+    )
+
     group: int = option(8, "adjacent full-attention layers sharing one token-side base (1, 2, 4 or 8)")
     keys: str = option(
         "pre_rope", "factorize keys pre_rope (de-rotated) or post_rope (latent scores, no rotation)"
