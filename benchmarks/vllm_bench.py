@@ -325,6 +325,43 @@ def serve_passkey(args: argparse.Namespace) -> None:
     )
 
 
+def summary_rows(folder: Path) -> list[dict[str, Any]]:
+    """One row per task run (``passkey`` / ``serve-passkey`` JSON) in ``folder``: method, task, accuracy and the
+    KV tokens vLLM reported; what ``kvweave.report.headlines`` reads (``rows`` writes them to rows.jsonl)."""
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        run = json.loads(path.read_text())
+        if "accuracy" not in run or "task" not in run:
+            continue
+        tokens = run.get("kv_tokens")
+        if tokens is None and run.get("server_kv_line"):
+            tokens = int(
+                run["server_kv_line"][0].split("KV cache size: ")[-1].split(" tokens")[0].replace(",", "")
+            )
+        rows.append(
+            {
+                "method": run["method"],
+                "task": run["task"],
+                "context": run["context"],
+                "dtype": run["dtype"],
+                "trials": len(run["rows"]),
+                "score": run["accuracy"],
+                "kv_tokens": tokens,
+                "file": path.name,
+            }
+        )
+    return rows
+
+
+def write_rows(args: argparse.Namespace) -> None:
+    folder = Path(args.folder)
+    rows = summary_rows(folder)
+    if not rows:
+        raise SystemExit(f"vllm_bench rows: no passkey/serve-passkey JSON in {folder}")
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"{len(rows)} rows -> {folder / 'rows.jsonl'}")
+
+
 def wait_healthy(port: int, server: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -350,6 +387,8 @@ def main() -> None:
     tiny = sub.add_parser("tiny", help="save a tiny random-config Qwen2 model")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--tokenizer-from", required=True, help="a model folder to copy the tokenizer from")
+    rows = sub.add_parser("rows", help="write FOLDER/rows.jsonl: one summary row per task run JSON in FOLDER")
+    rows.add_argument("folder")
     for name in ("generate", "passkey", "serve-passkey"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
@@ -375,6 +414,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.action == "tiny":
         make_tiny(args.out, args.tokenizer_from)
+    elif args.action == "rows":
+        write_rows(args)
     elif args.action == "generate":
         generate(args)
     elif args.action == "passkey":

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_bench import agreement  # noqa: E402
+from vllm_bench import agreement, summary_rows  # noqa: E402
 
 
 def load(folder: Path, name: str) -> dict[str, Any] | None:
@@ -82,6 +82,27 @@ def passkey(folder: Path, name: str) -> list[str]:
     return ["".join(lines), "", f"Command: `{run['command']}`"]
 
 
+def tasks(folder: Path) -> list[str]:
+    """Accuracy per method and task from ``serve-passkey --task`` runs, with the KV tokens the server reported."""
+    rows = summary_rows(folder)
+    if not rows:
+        return ["(no run)"]
+    task_names = sorted({r["task"] for r in rows})
+    lines = [
+        "| method | KV tokens the server reported | " + " | ".join(task_names) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in task_names) + " |",
+    ]
+    for method in sorted({r["method"] for r in rows}):
+        mine = {r["task"]: r for r in rows if r["method"] == method}
+        tokens = next((f"{r['kv_tokens']:,}" for r in mine.values() if r["kv_tokens"]), "?")
+        cells = [
+            "-" if task not in mine else f"{100 * mine[task]['score']:.0f} % of {mine[task]['trials']}"
+            for task in task_names
+        ]
+        lines.append(f"| `{method}` | {tokens} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/data/vllm")
     print("## capacity\n" + "\n".join(capacity(folder)))
@@ -102,6 +123,7 @@ def main() -> None:
         "\n## pages (run under its former name dkcache)\n"
         + "\n".join(passkey(folder, "qwen-passkey-8k-dkcache"))
     )
+    print("\n## depthweave against quant:bits=2 at 4K\n" + "\n".join(tasks(folder / "depthweave-4k")))
 
 
 if __name__ == "__main__":

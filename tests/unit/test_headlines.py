@@ -12,7 +12,7 @@ from kvweave.report import headlines
 from kvweave.report.headlines import SPAN, Headline, render
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "findings.md"]
+DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "findings.md", ROOT / "docs" / "vllm.md"]
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)

@@ -7,7 +7,7 @@ older defaults than the method's current ones (``spec_version``: :func:`kvweave.
 the row differs from the spec read today) is rendered with the configuration it measured, in words, so an old
 figure is never read as the current default's.
 
-Rendered by ``python -m kvweave.report.headlines README.md docs/findings.md`` (``--check`` only says whether
+Rendered by ``python -m kvweave.report.headlines README.md docs/findings.md docs/vllm.md`` (``--check`` only says whether
 they are current: what ``tests/unit/test_headlines.py`` asserts).
 """
 
@@ -207,6 +207,30 @@ HEADLINES: dict[str, Headline] = {
             ("q4", "quant:bits=4", "auto"),
             ("q4torch", "quant:bits=4", "torch"),
         )
+    },
+    **{
+        f"vllm-{short}-kv-tokens": Headline(
+            "docs/data/vllm/depthweave-4k/rows.jsonl",
+            method,
+            "kv_tokens",
+            "{:,.0f}",
+            (("task", "passkey"),),
+            kvweave_spec=False,
+        )
+        for short, method in (("dw", "depthweave"), ("q2", "quant:bits=2"))
+    },
+    **{
+        f"vllm-{short}-{task_short}-4k-score": Headline(
+            "docs/data/vllm/depthweave-4k/rows.jsonl",
+            method,
+            "score",
+            "{:.0f} %",
+            (("task", task),),
+            scale=100,
+            kvweave_spec=False,
+        )
+        for short, method in (("dw", "depthweave"), ("q2", "quant:bits=2"))
+        for task_short, task in (("pk", "passkey"), ("mk", "niah_multikey"))
     },
 }
 """Every headline figure of the README and the findings, by the name its span carries."""

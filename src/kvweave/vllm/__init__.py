@@ -5,7 +5,7 @@ A vLLM general plugin (entry point ``vllm.general_plugins: kvweave = kvweave.vll
 only :func:`register` (called by vLLM in each of its processes) and :mod:`kvweave.vllm.backend` do.
 
 The method is chosen by the environment variable ``KVWEAVE_VLLM_METHOD`` (inherited by vLLM's worker
-processes), e.g. ``quant:bits=4`` or ``pages:top_blocks=8`` (:mod:`kvweave.vllm.config`). When it is set,
+processes), e.g. ``quant:bits=4``, ``depthweave`` or ``pages:top_blocks=8`` (:mod:`kvweave.vllm.config`). When it is set,
 :func:`register` points vLLM's ``CPU_ATTN`` backend at the kvweave backend — vLLM's CPU platform always picks
 ``CPU_ATTN`` and ignores ``--attention-backend`` — and always registers it as ``CUSTOM`` too (for platforms
 that honour ``--attention-backend CUSTOM``). Unset: vLLM runs unchanged.

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument(
         "--method",
         required=True,
-        help="quant:bits=4 | quant:bits=8 | pages:top_blocks=8 | ... | none (vLLM's own cache, for comparisons)",
+        help="quant:bits=4 | quant:bits=8 | depthweave | pages:top_blocks=8 | ... | none (vLLM's own cache, for comparisons)",
     )
     args, rest = parser.parse_known_args(argv)
     if not rest:
