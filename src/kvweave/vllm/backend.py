@@ -528,8 +528,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         the block's worst-represented tokens exact in the tails, the newest partial block exact beside."""
         if self.bases is None:
             self.bases = WeaveBases(max(64, 8 * self.max_requests))
-            residual = (self.num_kv_heads, pages.shape[2], self.head_size, key.dtype, self.max_requests)
-            self.recent = (KeyResidual(*residual), KeyResidual(*residual))
+            rows = (self.num_kv_heads, pages.shape[2], self.head_size, key.dtype, self.max_requests)
+            self.recent = (KeyResidual(*rows), KeyResidual(*rows))
         assert self.recent is not None
         block_size, heads = pages.shape[2], self.num_kv_heads
         for row, seq_len in enumerate(meta.seq_lens):
