@@ -118,6 +118,30 @@ def test_weave_slot_holds_8x_and_full_rank_coordinates_round_trip() -> None:
     torch.testing.assert_close(got[2][0, 0].float(), rows[0].half().float())
 
 
+def test_depthweave_reads_the_models_rope_and_refuses_other_rotary_kinds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The de-rotation's frequencies come from vLLM's model config; a scaled RoPE is refused with one line."""
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    from kvweave.vllm.backend import _rope_inv_freq
+
+    def config(**rope: Any) -> Any:
+        return lambda: SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(rope_parameters=rope))
+        )
+
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", config(rope_type="default", rope_theta=1e6))
+    freq = _rope_inv_freq(64)
+    assert freq is not None and torch.allclose(freq, 1e6 ** -(torch.arange(0, 64, 2) / 64))
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", config(rope_type="llama3", rope_theta=5e5))
+    with pytest.raises(ValueError, match="rotary embedding 'llama3'.*unset KVWEAVE_VLLM_METHOD") as error:
+        _rope_inv_freq(64)
+    assert "\n" not in str(error.value)
+
+
 def _weave_run(spec: str, monkeypatch: pytest.MonkeyPatch, keys: torch.Tensor, values: torch.Tensor, chunks):
     """Write ``keys`` (pre-RoPE; rotated here as the model would), ``values`` ``[T, 2, 64]`` of one request
     through the backend in ``chunks`` (prefill chunks, then decode steps), blocks of 16 tokens; returns the impl,
