@@ -111,7 +111,7 @@ def start_server(args: argparse.Namespace, method: str, log_path: Path) -> subpr
         "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", str(args.max_model_len),
         "--enforce-eager", "--dtype", args.dtype, "--served-model-name", "kvweave",
         "--max-num-seqs", str(max(args.concurrency)),
-    ]  # fmt: skip
+    ] + ([] if args.prefix_caching else ["--no-enable-prefix-caching"])  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
     log = log_path.open("w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -146,8 +146,11 @@ def kv_tokens(log_path: Path) -> int | None:
 # ------------------------------------------------------------------------------------------ the load
 
 
-def one_request(client: Any, ids: list[int], sample: Any, tokens: int, timeout: float) -> dict[str, Any]:
-    """Stream one completion; its time to first token, time per output token, tokens and score."""
+def one_request(
+    client: Any, ids: list[int], sample: Any, tokens: int, timeout: float, ignore_eos: bool = False
+) -> dict[str, Any]:
+    """Stream one completion; its time to first token, time per output token, tokens and score. ``ignore_eos``:
+    every request generates ``tokens`` tokens (vLLM's ``ignore_eos``), so the decode load is fixed."""
     from kvweave.eval import tasks as task_lib
 
     start = time.perf_counter()
@@ -157,6 +160,7 @@ def one_request(client: Any, ids: list[int], sample: Any, tokens: int, timeout: 
         stream = client.completions.create(
             model="kvweave", prompt=ids, max_tokens=tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, timeout=timeout,
+            extra_body={"ignore_eos": True} if ignore_eos else None,
         )  # fmt: skip
         for chunk in stream:
             if chunk.usage is not None:
@@ -212,7 +216,11 @@ def run_point(
                     skipped, queue = len(queue), []
                     break
                 ids, sample = queue.pop(0)
-                pending.add(pool.submit(one_request, client, ids, sample, args.tokens, args.request_timeout))
+                pending.add(
+                    pool.submit(
+                        one_request, client, ids, sample, args.tokens, args.request_timeout, args.ignore_eos
+                    )
+                )
             if not pending:
                 break
             finished, pending = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
@@ -305,6 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB (the same for every method)"
     )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request generates --tokens tokens (a fixed decode load; answers are still scored)",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave vLLM's prefix caching on (off by default: the passkey prompts share their filler, and shared "
+        "blocks would let vLLM's own cache hold more requests than their KV bytes say)",
+    )
     parser.add_argument("--max-model-len", type=int, default=0, help="default: context + 256")
     parser.add_argument(
         "--dtype", default="float32", help="float32 on CPUs without bf16 hardware (docs/vllm.md)"
@@ -367,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kind": "vllm_load", "method": method, "concurrency": c, "model": args.model,
                     "context": args.context, "prompt_tokens": statistics.mean(len(ids) for ids, _ in samples),
                     "max_tokens": args.tokens, "dtype": args.dtype, "kv_space_gib": args.kv_space,
+                    "ignore_eos": args.ignore_eos, "prefix_caching": args.prefix_caching,
                     "kv_tokens": capacity, **point, "versions": versions(), "time": time.strftime("%F %T"),
                     # the decode kernel kvweave's quant ran (KVWEAVE_VLLM_KERNEL: auto = fused C++, torch)
                     "kernel": None if method == "none" else os.environ.get("KVWEAVE_VLLM_KERNEL", "auto"),

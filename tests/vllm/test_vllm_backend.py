@@ -219,6 +219,40 @@ def test_depthweave_keeps_the_worst_represented_tokens_exact(monkeypatch: pytest
         torch.testing.assert_close(got_k.transpose(0, 1)[needle], rotated[needle].half().float())
 
 
+@pytest.mark.parametrize("length", [150, 131, 3])
+def test_depthweave_decode_weights_value_coordinates_as_attention_over_the_rebuilt_values(
+    monkeypatch: pytest.MonkeyPatch, length: int
+) -> None:
+    """A decode row of the factored path (scores on rebuilt keys, attention weights on the value coordinates,
+    exact rows, sinks and the newest partial block added as values) equals attention over every value rebuilt
+    (the reference path) — with needles off the basis held exact, and for a request shorter than its sinks."""
+    torch.manual_seed(3)
+    keys = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64)
+    values = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64) + 0.5
+    needles = torch.arange(min(64 + 5, length), length, 16)
+    keys[needles] += 8 * torch.randn(len(needles), 2, 64)
+    values[needles] += 8 * torch.randn(len(needles), 2, 64)
+    chunks = [min(64, length - 1)] + [1] * (length - 1 - min(64, length - 1))
+    impl, pages, table, rotated = _weave_run(
+        "depthweave:rank_k=16,rank_v=16,exact=1", monkeypatch, keys, values, chunks
+    )
+    query, k_new, v_new = torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    cached = length - 1
+    held = -(-cached // 16)
+    old_k, old_v = impl._stored(pages, impl.layout, table[:held].long(), cached, length)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        torch.cat([old_k, k_new.transpose(0, 1)], 1),
+        torch.cat([old_v, v_new.transpose(0, 1)], 1),
+        scale=0.125,
+        enable_gqa=True,
+    ).transpose(0, 1)
+    out = impl._weave_decode(query, k_new, v_new, pages, impl.layout, table, cached)
+    torch.testing.assert_close(out, expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+    if length > 64 + 5:  # the needles' values are exact in the reference: what the comparison covers
+        torch.testing.assert_close(old_v.transpose(0, 1)[needles[0]], values[needles[0]].half().float())
+
+
 def test_bad_method_specs_fail_with_one_line() -> None:
     for spec, word in (
         ("quant:bits=3", "bits"),
@@ -356,6 +390,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def generate(tiny: Path, method: str, out: Path, *extra: str) -> dict[str, Any]:
+    """``vllm_bench.py generate`` on the tiny model in float32 (no bf16 logit ties): its JSON result."""
+    return bench(
+        "generate", "--model", str(tiny), "--method", method, "--dtype", "float32", *extra, "--out", str(out)
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """float32 (no bf16 logit ties): vLLM's backend, pages (exact storage), quant at 8 and 4 bits."""
@@ -365,16 +406,8 @@ def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
         name = method.replace(":", "-").replace("=", "").replace(" ", "-")
         os.environ[ENV_KERNEL] = "torch" if method.endswith(" torch") else "auto"
         method = method.removesuffix(" torch")
-        runs[method if os.environ[ENV_KERNEL] == "auto" else f"{method} torch"] = bench(
-            "generate",
-            "--model",
-            str(tiny),
-            "--method",
-            method,
-            "--dtype",
-            "float32",
-            "--out",
-            str(out / f"{name}.json"),
+        runs[method if os.environ[ENV_KERNEL] == "auto" else f"{method} torch"] = generate(
+            tiny, method, out / f"{name}.json"
         )
     os.environ.pop(ENV_KERNEL, None)
     return runs
@@ -427,18 +460,7 @@ def prefix_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     full blocks. ``pages`` stores exact K/V (its tokens are vLLM's own, test above)."""
     out = tmp_path_factory.mktemp("prefix-runs")
     return {
-        method: bench(
-            "generate",
-            "--model",
-            str(tiny),
-            "--method",
-            method,
-            "--dtype",
-            "float32",
-            "--prefix-caching",
-            "--out",
-            str(out / f"{method.split(':')[0]}-{len(method)}.json"),
-        )
+        method: generate(tiny, method, out / f"{method.split(':')[0]}-{len(method)}.json", "--prefix-caching")
         for method in ("pages", "quant:bits=8", FULL_RANK_WEAVE)
     }
 

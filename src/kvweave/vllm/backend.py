@@ -59,12 +59,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvweave.kernels.registry import Kernel, choose
 from kvweave.ops.attention import attention_with_lse, merge_parts
-from kvweave.ops.rope import rotate_half
+from kvweave.ops.rope import remove_rotary, rotate_half
 from kvweave.vllm.config import ENV_METHOD, Basis, PageSlot, QuantSlot, VllmMethod, WeaveSlot, rope_cos_sin
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
 ENV_KERNEL = "KVWEAVE_VLLM_KERNEL"
-"""``auto`` (default: the fused C++ decode kernel for ``quant`` when it builds) or ``torch`` (the reference)."""
+"""``auto`` (default: the fused C++ decode kernel for ``quant`` when it builds; ``depthweave`` decode rows weight
+value coordinates) or ``torch`` (the reference: dequantize, resp. rebuild, every stored token, then attend)."""
 QUANT_DECODE = Kernel("vllm quant decode attention", cpp="kvweave.kernels.cpu_vllm_quant")
 QUERY_CHUNK = 1024  # query rows per SDPA call in prefill chunks that read cached tokens (bounds the mask)
 
@@ -74,12 +75,14 @@ STATS: dict[str, int] = {
     "blocks_held": 0,
     "summary_blocks_read": 0,
     "fused_decode_rows": 0,
+    "weave_decode_rows": 0,
     "weave_bases": 0,
     "weave_side_bytes": 0,
 }
 """Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
 blocks the requests held, and blocks whose summary was read (``pages``); for ``depthweave`` the bases held and
-their bytes beside vLLM's pages (``weave_bases``, ``weave_side_bytes``, summed over layers). ``KVWEAVE_VLLM_STATS=path``
+their bytes beside vLLM's pages (``weave_bases``, ``weave_side_bytes``, summed over layers), and decode rows that
+ran the fused quant kernel or the factored depthweave decode (``fused_decode_rows``, ``weave_decode_rows``). ``KVWEAVE_VLLM_STATS=path``
 writes them there as JSON every 256 decode calls and at the end of each call that crosses that count."""
 _STATS_LOCK = threading.Lock()
 _calls = 0
@@ -212,6 +215,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         self.bases: WeaveBases | None = None
         self.recent: tuple[KeyResidual, KeyResidual] | None = None
         self.inv_freq: torch.Tensor | None = None
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, D]
         if self.method.name == "depthweave":
             self.inv_freq = _rope_inv_freq(head_size)
 
@@ -375,6 +379,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         cached = seq_len - n
         if n == 1 and cached > 0 and isinstance(layout, QuantSlot) and self._fused_decode(q.device):
             return self._fused_quant_decode(q, k_new, v_new, pages, layout, table, seq_len)
+        if n == 1 and cached > 0 and isinstance(layout, WeaveSlot) and self._weave_factored():
+            return self._weave_decode(q, k_new, v_new, pages, layout, table, cached)
         keys, values = k_new.transpose(0, 1).float(), v_new.transpose(0, 1).float()  # [H, n, D]
         if cached > 0:
             block_size = pages.shape[2]
@@ -417,6 +423,13 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 raise ValueError(f"{ENV_KERNEL}={choice!r}; allowed: auto, cpp, torch")
             known[device.type] = choose(QUANT_DECODE, choice, device) == "cpp"
         return bool(known[device.type])
+
+    def _weave_factored(self) -> bool:
+        """Whether depthweave decode rows weight the value coordinates (:meth:`_weave_decode`) instead of
+        rebuilding every stored value: ``KVWEAVE_VLLM_KERNEL=torch`` keeps the rebuilding reference path."""
+        if "weave" not in self.fused_choice:
+            self.fused_choice["weave"] = os.environ.get(ENV_KERNEL, "auto").strip() != "torch"
+        return bool(self.fused_choice["weave"])
 
     def _fused_quant_decode(
         self,
@@ -508,13 +521,18 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         return out.reshape(1, self.num_heads, -1)
 
     # ----------------------------------------------------------------------------------------- depthweave
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin: [end - first, D]`` of positions ``first ... end - 1``, sliced from a table this layer
+        grows (doubling) when a request goes past it, so a decode step computes no angles."""
         if self.inv_freq is None:
             raise RuntimeError(
                 "kvweave depthweave: the model's rotary frequencies are unknown (no vLLM config)"
             )
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
-        return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]: broadcast over KV heads
+        if self.rope_table is None or self.rope_table[0].shape[0] < end:
+            size = max(end, 2 * (0 if self.rope_table is None else self.rope_table[0].shape[0]), 1024)
+            self.rope_table = rope_cos_sin(self.inv_freq, torch.arange(size))
+        cos, sin = self.rope_table
+        return cos[first:end], sin[first:end]
 
     def _weave_store(
         self,
@@ -532,20 +550,20 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             self.recent = (KeyResidual(*rows), KeyResidual(*rows))
         assert self.recent is not None
         block_size, heads = pages.shape[2], self.num_kv_heads
+        changed = False  # a basis put (or dropped) or sinks added: the side bytes to count again
         for row, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start[row], meta.query_start[row + 1]
             if end <= start:
                 continue
             slots = meta.slot_mapping[start:end].long()
-            keep = slots >= 0
-            if not bool(keep.all()):
+            if bool((slots < 0).any()):
                 raise RuntimeError(
                     "kvweave depthweave: a request's new token has no slot (-1 in the slot mapping)"
                 )
             first = seq_len - (end - start)
             k_exact, v_exact = key[start:end], value[start:end]  # [n, H, D], post-RoPE keys
-            cos, sin = self._rope(torch.arange(first, seq_len))
-            k_pre = (k_exact.float() * cos - rotate_half(k_exact.float()) * sin).flatten(1)  # [n, H·D]
+            cos, sin = self._rope(first, seq_len)  # [n, D]: broadcast over the heads of [H, n, D]
+            k_pre = remove_rotary(k_exact.float().transpose(0, 1), cos, sin).transpose(0, 1).flatten(1)
             v_flat = v_exact.float().flatten(1)
             owner = int(meta.block_table[row, 0])
             if first == 0:
@@ -553,9 +571,10 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                     Basis.fit(k_pre, layout.rank_k), Basis.fit(v_flat, layout.rank_v), self.method.sinks
                 )
                 self.bases.put(owner, entry)
+                changed = True
             else:
                 entry = self.bases.get(owner)
-            entry.add_sinks(first, k_exact, v_exact)
+            changed |= entry.add_sinks(first, k_exact, v_exact)
             packed = layout.pack(entry.k.encode(k_pre), entry.v.encode(v_flat))  # [n, H, scale_end]
             blocks, offsets = slots // block_size, slots % block_size
             pages[blocks, :, offsets, : layout.scale_end] = packed
@@ -569,22 +588,33 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 kept = residual.store(blocks, offsets, exact)
                 full = kept & (offsets == block_size - 1)
                 residual.release(blocks[full])
-        _weave_side(id(self), len(self.bases.entries), self.bases.nbytes())
+        if changed:
+            _weave_side(id(self), len(self.bases.entries), self.bases.nbytes())
 
-    def _weave_stored(
+    def _weave_read(
         self, blocks: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``cached`` tokens as stored (``blocks: [held, H, block_size, C]``): rebuilt from their
-        coordinates and rotated to their positions, then the exact rows, the sinks and the newest partial
-        block laid over them. Returns ``keys, values: [H, cached, D]`` float32."""
+    ) -> WeaveRead:
+        """The first ``cached`` tokens as stored (``blocks: [held, H, block_size, C]``): their keys rebuilt from
+        the coordinates and rotated to their positions, with the exact rows, the sinks and the newest partial
+        block laid over them (in that order); the values left as coordinates beside what overrides them."""
         assert self.bases is not None and self.recent is not None
         heads, block_size = self.num_kv_heads, blocks.shape[2]
         entry = self.bases.get(int(ids[0]))
         ck, cv = layout.unpack(blocks)  # [held, block_size, r]
         keys = entry.k.decode(ck.flatten(0, 1)[:cached]).view(cached, heads, -1)
-        values = entry.v.decode(cv.flatten(0, 1)[:cached]).view(cached, heads, -1)
-        cos, sin = self._rope(torch.arange(cached))
-        keys = keys * cos + rotate_half(keys) * sin
+        cos, sin = self._rope(0, cached)
+        keys = keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)  # [cached, H, D]
+        empty = torch.empty(0, dtype=torch.long)
+        pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (
+            empty,
+            empty,
+            keys.new_empty(0, keys.shape[-1]),
+        )
+        sinks = min(entry.sinks_held, cached)
+        first = cached  # the newest partial block's first token (none: cached)
+        last = int(ids[-1])
+        if last in self.recent[0].row_of:  # the newest block is partial: its tokens exact
+            first = (ids.shape[0] - 1) * block_size
         if layout.exact:
             offsets, _, exact_keys, exact_values = layout.read_exact(
                 layout.tails(blocks)
@@ -593,17 +623,83 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             valid = (offsets >= 0) & (position < cached)
             head = torch.arange(heads).view(1, -1, 1).expand_as(position)
             keys[position[valid], head[valid]] = exact_keys[valid].float()
-            values[position[valid], head[valid]] = exact_values[valid].float()
-        sinks = min(entry.sinks_held, cached)
-        keys[:sinks], values[:sinks] = entry.sink_k[:sinks].float(), entry.sink_v[:sinks].float()
-        last = int(ids[-1])
-        if last in self.recent[0].row_of:  # the newest block is partial: its tokens exact
-            first = (ids.shape[0] - 1) * block_size
+            shown = valid & (position >= sinks) & (position < first)  # the values no range overrides
+            pairs = (position[shown], head[shown], exact_values[shown].float())
+        keys[:sinks] = entry.sink_k[:sinks].float()
+        spans = [(0, min(sinks, first), entry.sink_v[: min(sinks, first)].float())]
+        if first < cached:
             span = slice(0, cached - first)
-            for target, residual in zip((keys, values), self.recent, strict=True):
-                row = residual.row_of[last]
-                target[first:cached] = residual.keys[row, :, span].transpose(0, 1).float()
-        return keys.transpose(0, 1), values.transpose(0, 1)
+            k_row, v_row = (residual.row_of[last] for residual in self.recent)
+            keys[first:cached] = self.recent[0].keys[k_row, :, span].transpose(0, 1).float()
+            spans.append((first, cached, self.recent[1].keys[v_row, :, span].transpose(0, 1).float()))
+        return WeaveRead(entry, keys, cv.flatten(0, 1)[:cached], pairs, spans)
+
+    def _weave_stored(
+        self, blocks: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``cached`` tokens as stored, every value rebuilt: ``keys, values: [H, cached, D]`` float32."""
+        read = self._weave_read(blocks, layout, ids, cached)
+        values = read.entry.v.decode(read.v_coords).view(cached, self.num_kv_heads, -1)
+        position, head, exact = read.pairs
+        values[position, head] = exact
+        for first, end, rows in read.spans:
+            values[first:end] = rows
+        return read.keys.transpose(0, 1), values.transpose(0, 1)
+
+    def _weave_decode(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        table: torch.Tensor,
+        cached: int,
+    ) -> torch.Tensor:
+        """One decode row ``q: [1, Hq, D]``: scores against the rebuilt keys, and the values never rebuilt —
+        the attention weights weight the value coordinates (``r_v`` numbers a token instead of ``H·D``), then
+        one projection through the basis per query head; the exact rows, sinks and newest block add their
+        own values. The same output as attention over :meth:`_weave_stored` (tested)."""
+        heads, block_size = self.num_kv_heads, pages.shape[2]
+        held = -(-cached // block_size)
+        ids = table[:held].long()
+        read = self._weave_read(pages[ids], layout, ids, cached)
+        queries = q[0].float().view(heads, self.group_size, -1)  # [H, g, D]
+        scores = torch.einsum("hgd,thd->hgt", queries, read.keys) * self.scale  # [H, g, cached]
+        new = (queries * k_new[0].float().unsqueeze(1)).sum(-1, keepdim=True) * self.scale  # [H, g, 1]
+        weights = torch.softmax(torch.cat([scores, new], dim=-1), dim=-1)
+        stored, newest = weights[..., :cached], weights[..., cached:]
+        position, head, exact = read.pairs
+        overridden = torch.zeros(cached, heads, dtype=torch.bool)
+        overridden[position, head] = True
+        for first, end, _ in read.spans:
+            overridden[first:end] = True
+        coord = stored.masked_fill(overridden.T.unsqueeze(1), 0.0)  # [H, g, cached]
+        basis = read.entry.v
+        mixed = torch.einsum("hgt,tr->hgr", coord, read.v_coords) * basis.scale  # [H, g, r_v]
+        rows = basis.rows.float().view(-1, heads, queries.shape[-1])  # [r_v, H, D]
+        out = torch.einsum("hgr,rhd->hgd", mixed, rows)
+        out += basis.mean.view(heads, 1, -1) * coord.sum(-1, keepdim=True)
+        out.index_add_(0, head, stored[head, :, position].unsqueeze(-1) * exact.unsqueeze(1))
+        for first, end, values in read.spans:
+            out += torch.einsum("hgt,thd->hgd", stored[..., first:end], values)
+        out += newest * v_new[0].float().unsqueeze(1)
+        _add_stats(blocks_read=held * heads, blocks_held=held * heads, weave_decode_rows=1)
+        return out.reshape(1, self.num_heads, -1)
+
+
+@dataclasses.dataclass
+class WeaveRead:
+    """A request's stored tokens in one layer as :meth:`KvweaveAttentionImpl._weave_read` gives them: ``keys:
+    [cached, H, D]`` final (rotated, overrides laid over), the values' ``v_coords: [cached, r_v]`` on
+    ``entry.v`` and what overrides them: ``pairs`` (position, head, value ``[N, D]``: exact rows) and
+    ``spans`` (first, end, values ``[end - first, H, D]``: the sinks, the newest partial block)."""
+
+    entry: WeaveEntry
+    keys: torch.Tensor
+    v_coords: torch.Tensor
+    pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    spans: list[tuple[int, int, torch.Tensor]]
 
 
 class KeyResidual:
@@ -698,14 +794,16 @@ class WeaveEntry:
     def sinks_held(self) -> int:
         return int(self.sink_k.shape[0])
 
-    def add_sinks(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keep the exact (post-RoPE) rows of positions ``first ...`` that fall among the first ``sinks``."""
+    def add_sinks(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Keep the exact (post-RoPE) rows of positions ``first ...`` that fall among the first ``sinks``;
+        whether any were added."""
         take = min(self.sinks, first + keys.shape[0]) - first
         if take <= 0 or first != self.sinks_held:
-            return
+            return False
         new_k, new_v = keys[:take].half(), values[:take].half()
         self.sink_k = new_k if first == 0 else torch.cat([self.sink_k, new_k])
         self.sink_v = new_v if first == 0 else torch.cat([self.sink_v, new_v])
+        return True
 
     @property
     def nbytes(self) -> int:
