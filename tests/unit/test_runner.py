@@ -149,6 +149,18 @@ def test_resuming_with_other_samples_is_refused(
     assert len(runner.read_rows(tmp_path)) == 3
 
 
+def test_resuming_with_other_word_lists_is_refused(stubs: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The same seed draws other words, keys and values from KVWEAVE_DATA's word lists than from the built-in
+    ones: a folder whose rows were made with the other lists is refused, naming the way out."""
+    stubs.delenv(task_lib.DATA_ENV, raising=False)
+    config = small_config()
+    assert task_lib.word_lists(config.data_dir) == "builtin"
+    row = {**stub_row(config, runner.plan(config)[0]), "word_lists": "wonderwords"}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="word_lists 'wonderwords' \\(this command: 'builtin'; set or unset"):
+        run_with(StubTrials(), stubs, config, tmp_path)
+
+
 def test_extending_a_run_with_tasks_lengths_and_methods_is_allowed(
     stubs: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

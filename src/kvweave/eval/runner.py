@@ -388,6 +388,7 @@ def run_trial(
         "seed": trial.seed,
         "question_aware": config.question_aware,
         "haystack": sample.meta.get("haystack"),
+        "word_lists": task_lib.word_lists(config.data_dir),
         "metric": spec.metric,
         "max_new_tokens": max_new,
         "score": task_lib.score(sample, prediction),
@@ -449,11 +450,13 @@ def sample_mismatch(row: dict[str, Any], trial: Trial, config: EvalConfig) -> li
         "question_aware": config.question_aware,
         "max_new_tokens": config.max_new_tokens or spec.max_new_tokens,
         "generated": config.generated,
+        "word_lists": task_lib.word_lists(config.data_dir),  # KVWEAVE_DATA's lists, or the built-in ones
     }
     if row.get("haystack") in spec.haystacks:  # a filler the user chooses, not one the task builds
         expected["haystack"] = config.haystack_for(trial.task) or spec.default_haystack
+    hints = {"word_lists": f"; set or unset {task_lib.DATA_ENV} or --data as that run did"}
     found = [
-        f"{name} {row[name]!r} (this command: {value!r})"
+        f"{name} {row[name]!r} (this command: {value!r}{hints.get(name, '')})"
         for name, value in expected.items()
         if name in row and row[name] != value
     ]

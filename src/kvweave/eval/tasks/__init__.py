@@ -42,6 +42,7 @@ from kvweave.eval.tasks.data import (
     load_haystack,
     perplexity_windows,
     resolve_data_dir,
+    word_lists,
 )
 from kvweave.eval.tasks.data import NOISE as NOISE
 from kvweave.eval.tasks.fitting import _Ctx, _fit, depths
@@ -67,6 +68,7 @@ __all__ = [
     "resolve_data_dir",
     "first_code_line",
     "score",
+    "word_lists",
 ]
 
 

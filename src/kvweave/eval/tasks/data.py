@@ -351,6 +351,12 @@ def _load_words(data_dir: str | None) -> _Words:
     return _Words(tuple(_BUILTIN_ADJECTIVES.split()), tuple(_BUILTIN_NOUNS.split()), (), "builtin")
 
 
+def word_lists(data_dir: str | os.PathLike[str] | None = None) -> str:
+    """Which word lists the samples draw from (``"wonderwords"`` from ``<data>/ruler/wordlists``, else
+    ``"builtin"``): the same seed gives other word, key and value draws with each, so rows record it."""
+    return _words(data_dir).source
+
+
 def _words(data_dir: str | os.PathLike[str] | None) -> _Words:
     """Wonderwords lists from ``<data>/ruler/wordlists`` if present, else the built-in lists."""
     root = resolve_data_dir(data_dir)
