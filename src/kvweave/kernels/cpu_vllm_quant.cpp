@@ -36,7 +36,7 @@ static void attend_split(const float* qp, const uint8_t* pp, const int64_t* idp,
   const int64_t start = code_bytes + value_bytes;  // where the tail (header bytes) starts in each slot
   const int64_t tail = SLOT - start;
   const int64_t VG = D / group;
-  std::vector<float> keys(TILE * D), values(TILE * D), kscale(D), kmin(D), vscale(D), vmin(D);
+  std::vector<float> keys(TILE * D), values(TILE * D), kscale(D), kmin(D);
   std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), acc(G * D, 0.f), logit(G * TILE);
   std::vector<uint8_t> codes(D);
   for (int64_t bi = b_first; bi < b_end; ++bi) {
@@ -66,14 +66,14 @@ static void attend_split(const float* qp, const uint8_t* pp, const int64_t* idp,
           for (int64_t d = 0; d < D; ++d) key[d] = codes[d] * kscale[d] + kmin[d];
         }
         const uint8_t* vmeta = slot + 2 * code_bytes;
-        for (int64_t d = 0; d < D; ++d) {
-          vscale[d] = half_at(vmeta + 2 * (d / group));
-          vmin[d] = half_at(vmeta + 2 * (VG + d / group));
-          codes[d] = (slot[code_bytes + d / PER_BYTE] >> ((d % PER_BYTE) * BITS)) & MASK;
-        }
+        for (int64_t d = 0; d < D; ++d) codes[d] = (slot[code_bytes + d / PER_BYTE] >> ((d % PER_BYTE) * BITS)) & MASK;
         float* value = values.data() + t * D;
+        for (int64_t vg = 0; vg < VG; ++vg) {  // one (scale, minimum) per value group: two float16 reads
+          const float vs = half_at(vmeta + 2 * vg), vm = half_at(vmeta + 2 * (VG + vg));
+          const int64_t d0 = vg * group, d1 = d0 + group;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) value[d] = codes[d] * vscale[d] + vmin[d];
+          for (int64_t d = d0; d < d1; ++d) value[d] = codes[d] * vs + vm;
+        }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qp + (h * G + g) * D;
           float dot = 0.f;

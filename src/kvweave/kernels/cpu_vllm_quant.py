@@ -24,7 +24,7 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.attention import attention_with_lse, merge_splits
 
-_NAME = "kvweave_cpu_vllm_quant_v2"
+_NAME = "kvweave_cpu_vllm_quant_v3"
 _SOURCE = source("cpu_vllm_quant.cpp")
 _CPP_DECL = (
     "std::vector<torch::Tensor> vllm_quant_decode(torch::Tensor q, torch::Tensor pages, torch::Tensor ids, "

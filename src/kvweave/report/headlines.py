@@ -209,6 +209,27 @@ HEADLINES: dict[str, Headline] = {
         )
     },
     **{
+        f"vllm-{short}-c32-{field_short}": Headline(
+            "docs/data/vllm/load-2k/rows.jsonl",
+            method,
+            field,
+            fmt,
+            (("concurrency", 32), ("kernel", kernel)),
+            kvweave_spec=False,
+        )
+        for short, method, kernel in (
+            ("none", "none", None),
+            ("q4", "quant:bits=4", "auto"),
+            ("q2", "quant:bits=2", "auto"),
+            ("dw", "depthweave", "auto"),
+        )
+        for field_short, field, fmt in (
+            ("tok-s", "output_tokens_per_s", "{:.2f}"),
+            ("running", "max_running", "{:.0f}"),
+            ("tpot", "tpot_median_s", "{:.1f}"),
+        )
+    },
+    **{
         f"vllm-{short}-kv-tokens": Headline(
             "docs/data/vllm/depthweave-4k/rows.jsonl",
             method,
