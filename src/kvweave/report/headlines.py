@@ -228,6 +228,7 @@ HEADLINES: dict[str, Headline] = {
             ("running", "max_running", "{:.0f}"),
             ("tpot", "tpot_median_s", "{:.1f}"),
         )
+        if field_short != "running" or short in ("none", "q4")
     },
     **{
         f"vllm-{short}-kv-tokens": Headline(
