@@ -1,22 +1,27 @@
-"""One decode row of kvweave's vLLM backend, timed per layer and step without an engine: each decode path of a
-method beside the others, at the model's attention shapes and several cached lengths.
+"""A decode step of one attention layer in vLLM, timed without an engine: vLLM's own CPU attention beside each
+decode path of kvweave's backend, at the model's attention shapes, several cached lengths and several decode rows
+(requests) per step.
 
-For each ``--tokens`` length this writes one request's tokens through the backend (``forward`` with prefill
-metadata, as vLLM's model runner calls it: chunks of ``--chunk`` tokens, blocks of ``--block-size``), then times
-``--steps`` decode rows of each path (median of ``--rounds`` rounds, interleaved) and checks that the paths
-agree. Paths:
+For each point (``--tokens`` cached tokens per request, ``--rows`` requests) every method gets a page pool
+holding the same requests' keys and values, written the way vLLM's model runner writes them (prefill chunks of
+``--chunk`` tokens, blocks of ``--block-size``). A timed step is what the engine runs per layer: the new tokens
+written (``do_kv_cache_update`` / vLLM's ``cpu_attn_reshape_and_cache``), then attention of every row's query
+over its request (``forward`` / vLLM's ``cpu_attention_with_kv_cache``). The median of ``--rounds`` rounds of
+``--steps`` steps, all methods and paths interleaved in each round. Paths:
 
-- ``depthweave``: ``factored`` (the default: attention weights on the value coordinates) and ``rebuild``
-  (``KVWEAVE_VLLM_KERNEL=torch``: every stored value rebuilt, then attention);
-- ``quant:bits=N``: ``fused`` (the C++ kernel) and ``torch`` (dequantize, then attention).
+- ``none``: ``vllm`` (vLLM's own CPU attention over its float32 cache, the reference for time and output);
+- ``quant:bits=N``: ``fused`` (the C++ kernel, one call for all rows) and ``torch`` (dequantize, then attend);
+- ``depthweave``: ``factored`` (attention weights on the value coordinates) and ``rebuild``
+  (``KVWEAVE_VLLM_KERNEL=torch``: every stored value rebuilt, then attention).
 
-One JSON row per (method, tokens, path) is appended to ``--out``. Runs in the vLLM venv (the backend imports
-vLLM's interfaces; no engine starts)::
+One JSON row per (method, path, tokens, rows) is appended to ``--out``, with ``vs_vllm`` (vLLM's step time over
+the path's: above 1 is faster) and the output's relative difference from vLLM's exact attention. Runs in the
+vLLM venv (no engine starts)::
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/vllm_decode_op.py --tokens 1024,2048,4096,8192 \\
-        --out runs/vllm-decode-op.jsonl
+    OMP_NUM_THREADS=2 .venv-vllm/bin/python benchmarks/vllm_decode_op.py --tokens 2048,4096 --rows 1,32 \\
+        --out runs/vllm-decode-step.jsonl
 
-Only ratios between paths of one run mean anything on a shared machine.
+Only ratios within one run mean anything on a shared machine.
 """
 
 from __future__ import annotations
@@ -32,103 +37,170 @@ from typing import Any
 
 import torch
 
-PATHS = {"depthweave": ("factored", "rebuild"), "quant": ("fused", "torch")}
+PATHS = {"none": ("vllm",), "depthweave": ("factored", "rebuild"), "quant": ("fused", "torch")}
 
 
-def build(method: str, tokens: int, args: argparse.Namespace) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """A backend layer holding one request of ``tokens`` tokens: ``impl, cache, block_table``."""
-    from kvweave.vllm.backend import KvweaveAttentionImpl, KvweaveMetadata
-    from kvweave.vllm.config import PageSlot, QuantSlot, VllmMethod, WeaveSlot
-
-    os.environ["KVWEAVE_VLLM_METHOD"] = method
-    heads, dim, block = args.kv_heads, args.head_size, args.block_size
-    impl = KvweaveAttentionImpl(
-        num_heads=heads * args.group, head_size=dim, scale=dim**-0.5, num_kv_heads=heads
-    )
-    impl.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
-    parsed = VllmMethod.parse(method)
-    if parsed.name == "depthweave":
-        slot: Any = WeaveSlot.of(parsed, dim, heads, block)
-    elif parsed.name == "quant":
-        slot = QuantSlot.of(parsed, dim, block)
-    else:
-        slot = PageSlot.of(dim, torch.float32, block)
-    held = -(-(tokens + 1) // block)
-    cache = torch.zeros(held + 4, heads, block, -(-slot.nbytes // 4))  # vLLM's float32 page view
-    table = torch.randperm(held + 4)[:held].int()
-    slots = (table.long().repeat_interleave(block) * block + torch.arange(block).repeat(held))[:tokens]
+def requests(rows: int, tokens: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys, values: [rows, tokens + 1, H, D]``: low-rank plus noise, as real keys and values are, scaled so that unit queries give logits of std ~3 (the last
+    token is the decode step's new one). The same for every method."""
+    heads, dim = args.kv_heads, args.head_size
     generator = torch.Generator().manual_seed(0)
     mix_k = torch.randn(48, heads * dim, generator=generator)
     mix_v = torch.randn(64, heads * dim, generator=generator)
-    for first in range(0, tokens, args.chunk):
-        count = min(args.chunk, tokens - first)
-        keys = (torch.randn(count, 48, generator=generator) @ mix_k).view(count, heads, dim)
-        keys += 0.1 * torch.randn(count, heads, dim, generator=generator)
-        values = (torch.randn(count, 64, generator=generator) @ mix_v).view(count, heads, dim)
-        meta = KvweaveMetadata(
-            num_actual_tokens=count,
-            query_start=[0, count],
-            seq_lens=[first + count],
-            block_table=table.unsqueeze(0),
-            slot_mapping=slots[first : first + count],
+    n = tokens + 1
+    keys = (torch.randn(rows, n, 48, generator=generator) @ mix_k).view(rows, n, heads, dim) * (3 / 48**0.5)
+    keys += 0.1 * torch.randn(rows, n, heads, dim, generator=generator)  # logits of std ~3 for unit queries
+    values = (torch.randn(rows, n, 64, generator=generator) @ mix_v).view(rows, n, heads, dim) / 8
+    return keys, values
+
+
+class Kvweave:
+    """kvweave's backend layer holding the requests; :meth:`step` is one decode step of every row."""
+
+    def __init__(
+        self, method: str, keys: torch.Tensor, values: torch.Tensor, args: argparse.Namespace
+    ) -> None:
+        from kvweave.vllm.backend import KvweaveAttentionImpl, KvweaveMetadata
+        from kvweave.vllm.config import PageSlot, QuantSlot, VllmMethod, WeaveSlot
+        from kvweave.vllm.drive import feed, slots_of
+
+        os.environ["KVWEAVE_VLLM_METHOD"] = method
+        heads, dim, block = args.kv_heads, args.head_size, args.block_size
+        self.impl = KvweaveAttentionImpl(
+            num_heads=heads * args.group, head_size=dim, scale=dim**-0.5, num_kv_heads=heads
         )
-        if parsed.name != "depthweave":
-            impl.do_kv_cache_update(None, keys, values, cache, slots[first : first + count])
-        query = torch.randn(count, heads * args.group, dim, generator=generator)
-        impl.forward(None, query, keys, values, cache, meta, torch.empty_like(query))
-    return impl, cache, table
+        self.impl.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+        parsed = VllmMethod.parse(method)
+        if parsed.name == "depthweave":
+            slot: Any = WeaveSlot.of(parsed, dim, heads, block)
+        elif parsed.name == "quant":
+            slot = QuantSlot.of(parsed, dim, block)
+        else:
+            slot = PageSlot.of(dim, torch.float32, block)
+        rows, n = keys.shape[:2]
+        held = -(-n // block)
+        self.cache = torch.zeros(
+            rows * held + 4, heads, block, -(-slot.nbytes // 4)
+        )  # vLLM's float32 page view
+        self.table = torch.randperm(rows * held + 4)[: rows * held].int().view(rows, held)
+        generator = torch.Generator().manual_seed(2)
+        chunks = [min(args.chunk, n - 1 - first) for first in range(0, n - 1, args.chunk)]
+        for r in range(rows):  # each request's prompt, as the engine prefills it
+            feed(self.impl, self.cache, self.table[r], keys[r, :-1], values[r, :-1], chunks,
+                 lambda c: torch.randn(c, heads * args.group, dim, generator=generator))  # fmt: skip
+        self.new = keys[:, -1].contiguous(), values[:, -1].contiguous()  # [rows, H, D]
+        slots = torch.stack([slots_of(self.table[r], block, n)[-1] for r in range(rows)])
+        self.meta = KvweaveMetadata(
+            num_actual_tokens=rows,
+            query_start=list(range(rows + 1)),
+            seq_lens=[n] * rows,
+            block_table=self.table,
+            slot_mapping=slots,
+        )
+
+    def choose(self, path: str) -> None:
+        self.impl.pin_decode("cpu", fused=path == "fused", factored=path == "factored")
+
+    def step(self, query: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(query)
+        self.impl.do_kv_cache_update(None, *self.new, self.cache, self.meta.slot_mapping)
+        return self.impl.forward(None, query, *self.new, self.cache, self.meta, out)
 
 
-def choose(impl: Any, path: str) -> None:
-    """Point the layer's decode at ``path`` (what ``KVWEAVE_VLLM_KERNEL`` chooses, read once per layer)."""
-    impl.fused_choice.clear()
-    impl.fused_choice["weave"] = path == "factored"
-    impl.fused_choice["cpu"] = path == "fused"
+class Vllm:
+    """vLLM's own CPU attention (``cpu_attention_with_kv_cache``) over its float32 paged cache."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, args: argparse.Namespace) -> None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        from vllm import _custom_ops as ops
+
+        self.ops, heads, dim, block = ops, args.kv_heads, args.head_size, args.block_size
+        self.isa = _get_attn_isa(torch.float32, block, dim)
+        rows, n = keys.shape[:2]
+        held = -(-n // block)
+        cache = torch.zeros(rows * held + 4, heads, block, 2 * dim)
+        self.key_cache, self.value_cache = cache.view(rows * held + 4, heads, 2 * block, dim).chunk(2, dim=2)
+        self.table = torch.randperm(rows * held + 4)[: rows * held].int().view(rows, held)
+        slots = self.table.long().repeat_interleave(block, 1) * block + torch.arange(block).repeat(held)
+        slots = slots[:, :n]  # [rows, n]
+        ops.cpu_attn_reshape_and_cache(
+            keys[:, :-1].flatten(0, 1), values[:, :-1].flatten(0, 1), self.key_cache, self.value_cache,
+            slots[:, :-1].flatten(), self.isa,
+        )  # fmt: skip
+        self.new, self.slots = (
+            (keys[:, -1].contiguous(), values[:, -1].contiguous()),
+            slots[:, -1].contiguous(),
+        )
+        self.query_start = torch.arange(rows + 1, dtype=torch.int32)
+        self.seq_lens = torch.full((rows,), n, dtype=torch.int32)
+        self.scale, self.heads = dim**-0.5, heads * args.group
+        self.metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows, num_heads=self.heads, num_kv_heads=heads, head_dim=dim, seq_lens=self.seq_lens,
+            dtype=torch.float32, query_start_loc=self.query_start, causal=True, sliding_window_size=-1,
+            isa=self.isa, enable_kv_split=True,
+        )  # fmt: skip
+
+    def choose(self, path: str) -> None:
+        pass
+
+    def step(self, query: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(query)
+        self.ops.cpu_attn_reshape_and_cache(*self.new, self.key_cache, self.value_cache, self.slots, self.isa)
+        self.ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=self.key_cache, value_cache=self.value_cache, output=out,
+            query_start_loc=self.query_start, seq_lens=self.seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=self.table, softcap=0.0,
+            scheduler_metadata=self.metadata, s_aux=None,
+        )  # fmt: skip
+        return out
 
 
-def one_step(
-    impl: Any, cache: torch.Tensor, table: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, seq_len: int
-):
-    pages = cache.view(torch.uint8)
-    layout = impl._layout(cache, torch.float32)
-    return impl._attend(q, kv[0], kv[1], pages, layout, table, seq_len)
-
-
-def measure(method: str, tokens: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    name = method.split(":")[0]
-    impl, cache, table = build(method, tokens, args)
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(1, args.kv_heads * args.group, args.head_size, generator=generator)
-    kv = torch.randn(2, 1, args.kv_heads, args.head_size, generator=generator)
-    seq_len = tokens + 1
-    outs, times = {}, {path: [] for path in PATHS[name]}
-    for path in PATHS[name]:
-        choose(impl, path)
-        outs[path] = one_step(impl, cache, table, q, kv, seq_len)
+def measure(methods: list[str], tokens: int, rows: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    keys, values = requests(rows, tokens, args)
+    layers = {}
+    for method in methods:
+        name = method.split(":")[0]
+        layers[method] = Vllm(keys, values, args) if name == "none" else Kvweave(method, keys, values, args)
+    query = torch.randn(
+        rows, args.kv_heads * args.group, args.head_size, generator=torch.Generator().manual_seed(1)
+    )
+    pairs = [(m, p) for m in methods for p in PATHS[m.split(":")[0]]]
+    outs, times = {}, {pair: [] for pair in pairs}
+    for method, path in pairs:  # warm-up, and the outputs compared
+        layers[method].choose(path)
+        outs[method, path] = layers[method].step(query).float()
     for _ in range(args.rounds):
-        for path in PATHS[name]:
-            choose(impl, path)
+        for method, path in pairs:
+            layers[method].choose(path)
             start = time.perf_counter()
             for _ in range(args.steps):
-                one_step(impl, cache, table, q, kv, seq_len)
-            times[path].append((time.perf_counter() - start) / args.steps * 1e3)
-    first = PATHS[name][0]
-    reference = outs[PATHS[name][1]]
-    error = float((outs[first] - reference).norm() / reference.norm())
-    rows = []
-    for path in PATHS[name]:
-        rows.append(
+                layers[method].step(query)
+            times[method, path].append((time.perf_counter() - start) / args.steps * 1e3)
+    medians = {pair: statistics.median(t) for pair, t in times.items()}
+    exact = next((outs[pair] for pair in pairs if pair[1] == "vllm"), None)
+    result = []
+    for method, path in pairs:
+        ms = medians[method, path]
+        reference = outs[method, PATHS[method.split(":")[0]][-1]]
+        vllm_ms = next((medians[pair] for pair in pairs if pair[1] == "vllm"), None)
+        result.append(
             {
-                "kind": "vllm_decode_op",
+                "kind": "vllm_decode_step",
                 "method": method,
                 "path": path,
                 "tokens": tokens,
-                "ms_per_layer_step": round(statistics.median(times[path]), 4),
-                "rounds_ms": [round(t, 4) for t in times[path]],
-                "vs_reference": round(
-                    statistics.median(times[PATHS[name][1]]) / statistics.median(times[path]), 3
+                "rows": rows,
+                "ms_per_step": round(ms, 4),
+                "ms_per_row": round(ms / rows, 4),
+                "rounds_ms": [round(t, 4) for t in times[method, path]],
+                "vs_vllm": None if vllm_ms is None else round(vllm_ms / ms, 3),
+                "difference_from_reference_path": float(
+                    (outs[method, path] - reference).norm() / reference.norm()
                 ),
-                "relative_difference": error,
+                "difference_from_exact": None
+                if exact is None
+                else float((outs[method, path] - exact).norm() / exact.norm()),
                 "kv_heads": args.kv_heads,
                 "query_heads": args.kv_heads * args.group,
                 "head_size": args.head_size,
@@ -138,7 +210,17 @@ def measure(method: str, tokens: int, args: argparse.Namespace) -> list[dict[str
                 "time": time.strftime("%F %T"),
             }
         )
-    return rows
+    return result
+
+
+def _ints(parser: argparse.ArgumentParser, flag: str, text: str, least: int) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"{flag} {text!r}: comma-separated integers, e.g. 1024,2048")
+    if not values or min(values) < least:
+        parser.error(f"{flag} needs values of at least {least}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,12 +228,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--methods", default="depthweave,quant:bits=4", help="comma-separated vLLM method specs"
+        "--methods",
+        default="none,quant:bits=4,quant:bits=2,depthweave",
+        help="comma-separated vLLM method specs",
     )
-    parser.add_argument("--tokens", default="1024,2048,4096", help="comma-separated cached lengths")
-    parser.add_argument("--steps", type=int, default=20, help="decode rows per round")
+    parser.add_argument("--tokens", default="2048,4096", help="comma-separated cached lengths per request")
+    parser.add_argument("--rows", default="1,32", help="comma-separated decode rows (requests) per step")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is reported)")
-    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (the basis fits the first)")
+    parser.add_argument(
+        "--chunk", type=int, default=2048, help="prefill chunk (depthweave's basis fits the first)"
+    )
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=2, help="default: qwen2.5-coder-0.5b's shapes")
     parser.add_argument("--group", type=int, default=7, help="query heads per KV head")
@@ -159,27 +246,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rope-theta", type=float, default=1_000_000.0)
     parser.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     args = parser.parse_args(argv)
-    try:
-        lengths = [int(t) for t in args.tokens.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--tokens {args.tokens!r}: comma-separated integers, e.g. 1024,2048")
-    if not lengths or min(lengths) < 2:
-        parser.error("--tokens needs lengths of at least 2")
+    lengths = _ints(parser, "--tokens", args.tokens, 2)
+    row_counts = _ints(parser, "--rows", args.rows, 1)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
         if method.split(":")[0] not in PATHS:
-            parser.error(f"--methods: {method!r} has one decode path; choose among {', '.join(PATHS)}")
+            parser.error(f"--methods: {method!r} is not timed here; choose among {', '.join(PATHS)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for method in methods:
-        for tokens in lengths:
-            rows = measure(method, tokens, args)
+    for tokens in lengths:
+        for rows in row_counts:
+            result = measure(methods, tokens, rows, args)
             with out.open("a") as handle:
-                for row in rows:
+                for row in result:
                     handle.write(json.dumps(row) + "\n")
-            summary = ", ".join(f"{r['path']} {r['ms_per_layer_step']:.2f} ms" for r in rows)
-            print(f"{method} at {tokens} tokens: {summary} (difference {rows[0]['relative_difference']:.1e})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            summary = ", ".join(
+                f"{r['method']} {r['path']} {r['ms_per_step']:.2f} ms"
+                + ("" if r["vs_vllm"] is None else f" ({r['vs_vllm']:.2f}x)")
+                for r in result
+            )
+            print(f"{tokens} tokens x {rows} rows: {summary}", file=sys.stderr, flush=True)
     return 0
 
 

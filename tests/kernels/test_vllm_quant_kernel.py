@@ -76,3 +76,58 @@ def test_decode_of_nothing_is_empty():
         torch.randn(1, 2, 16), pages, torch.tensor([0]), None, 0, 0, layout, 0.25
     )
     assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_decode_rows_matches_the_torch_path_row_by_row(bits):
+    """Several decode rows of one layer in one call: different lengths (one with no finished key group, one
+    whose groups are all finished), blocks interleaved in one page pool, each row's new token merged."""
+    torch.manual_seed(bits)
+    heads, groups, dim, block, key_group = 2, 7, 64, 32, 16
+    layout = QuantSlot(dim, bits, 32, key_group, block)
+    lengths, quantized = [100, 5, 64, 300], [96, 0, 64, 288]
+    helds = [-(-n // block) for n in lengths]
+    order = torch.randperm(sum(helds) + 2)
+    tables, residuals, rows, first = [], [], [], 0
+    pages = None
+    for n, z, held in zip(lengths, quantized, helds, strict=True):
+        ids = order[first : first + held]
+        first += held
+        keys = torch.randn(n, heads, dim) * 2 + torch.randn(dim)
+        written, residual = _written(layout, keys, torch.randn(n, heads, dim), ids.tolist(), z)
+        if pages is None:
+            pages = torch.zeros(len(order) + 2, heads, block, layout.nbytes, dtype=torch.uint8)
+        pages[ids] = written[ids]
+        tables.append(torch.nn.functional.pad(ids, (0, 12 - held), value=0))
+        if z < n:
+            rows.append(len(residuals))
+            residuals.append(residual)
+        else:
+            rows.append(-1)
+    table = torch.stack(tables)
+    query = torch.randn(len(lengths), heads, groups, dim)
+    new = (torch.randn(len(lengths), heads, dim), torch.randn(len(lengths), heads, dim))
+    args = (query, new, pages, table, lengths, quantized, torch.stack(residuals), rows, layout, dim**-0.5)
+    want_out, want_lse = cpu_vllm_quant.decode_rows_reference(*args)
+    for item_blocks in (None, 1, 5):
+        out, lse = cpu_vllm_quant.decode_rows(*args, item_blocks=item_blocks)
+        torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_rows_refuses_a_row_past_its_block_table():
+    layout = QuantSlot(16, 4, 16, 16, 16)
+    pages = torch.zeros(4, 1, 16, layout.nbytes, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="more than its block table"):
+        cpu_vllm_quant.decode_rows(
+            torch.randn(1, 1, 2, 16),
+            None,
+            pages,
+            torch.tensor([[0, 1]]),
+            [40],
+            [32],
+            torch.randn(1, 1, 16, 16),
+            [0],
+            layout,
+            0.25,
+        )

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from kvweave.ops.quantize import dequantize, quantize  # noqa: E402
 from kvweave.vllm.backend import ENV_KERNEL  # noqa: E402
 from kvweave.vllm.config import Basis, PageSlot, QuantSlot, VllmMethod, WeaveSlot, rope_cos_sin  # noqa: E402
+from kvweave.vllm.drive import feed, slots_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "vllm_bench.py"
@@ -146,8 +147,6 @@ def _weave_run(spec: str, monkeypatch: pytest.MonkeyPatch, keys: torch.Tensor, v
     """Write ``keys`` (pre-RoPE; rotated here as the model would), ``values`` ``[T, 2, 64]`` of one request
     through the backend in ``chunks`` (prefill chunks, then decode steps), blocks of 16 tokens; returns the impl,
     its float32 page view, the block table and the rotated keys."""
-    from kvweave.vllm.backend import KvweaveMetadata
-
     impl = _impl(spec, monkeypatch)
     impl.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
     length, block = keys.shape[0], 16
@@ -156,27 +155,7 @@ def _weave_run(spec: str, monkeypatch: pytest.MonkeyPatch, keys: torch.Tensor, v
     slot = WeaveSlot.of(impl.method, 64, 2, block)
     cache = torch.zeros(40, 2, block, slot.nbytes // 4)
     table = torch.randperm(40)[: -(-length // block)].int()
-    slots = (table.long().repeat_interleave(block) * block + torch.arange(block).repeat(len(table)))[:length]
-    written = 0
-    for count in chunks:
-        meta = KvweaveMetadata(
-            num_actual_tokens=count,
-            query_start=[0, count],
-            seq_lens=[written + count],
-            block_table=table.unsqueeze(0),
-            slot_mapping=slots[written : written + count],
-        )
-        query = torch.randn(count, 4, 64)
-        impl.forward(
-            None,
-            query,
-            rotated[written : written + count],
-            values[written : written + count],
-            cache,
-            meta,
-            torch.empty(count, 4, 64),
-        )
-        written += count
+    feed(impl, cache, table, rotated, values, chunks, lambda n: torch.randn(n, 4, 64))
     return impl, cache.view(torch.uint8), table, rotated
 
 
@@ -298,7 +277,7 @@ def test_quant_store_is_kivi_per_channel_keys_per_token_values(
     ).bfloat16()  # outlier channels, as real keys
     values = torch.randn(length, 2, 64).bfloat16()
     table = torch.tensor([7, 2, 5, 0], dtype=torch.int32)
-    slots = (table[:3].long().repeat_interleave(block) * block + torch.arange(block).repeat(3))[:length]
+    slots = slots_of(table[:3], block, length)
     written = 0
     for count in [70, 70, 60] + [1] * 100:
         impl.do_kv_cache_update(
@@ -339,7 +318,7 @@ def test_retrieval_decode_reads_the_needle_block_and_matches_attention_over_it(
     keys, values = torch.randn(length, 2, 64), torch.randn(length, 2, 64)
     query = torch.randn(1, 4, 64)
     keys[6 * block : 7 * block] += 4 * query[0, ::2]  # kv head h serves query heads 2h, 2h+1
-    slots = (table.long().repeat_interleave(block) * block + torch.arange(block).repeat(held))[:length]
+    slots = slots_of(table, block, length)
     for first in range(0, length, 50):  # chunked writes, as prefill chunks and decode steps do
         impl.do_kv_cache_update(
             None, keys[first : first + 50], values[first : first + 50], cache, slots[first : first + 50]
@@ -602,3 +581,44 @@ def test_qwen_pages_reads_a_quarter_of_the_blocks_at_8k(tmp_path: Path) -> None:
     )
     assert run["decode_blocks_read_fraction"] <= 0.25, run["stats"]
     assert run["accuracy"] >= _transformers_accuracy("dkcache-8k", "dkcache:ratio=0.125"), run["rows"]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_quant_decode_rows_of_one_step_match_the_torch_path_row_by_row(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests of different lengths (one with an unfinished key group, one whose groups are all finished,
+    one shorter than a group) decode in one step: the fused kernel's single call for all rows gives what the
+    torch path gives one row at a time, each row's new token included."""
+    from kvweave.vllm.backend import KvweaveMetadata
+
+    impl = _impl(f"quant:bits={bits},key_group=64", monkeypatch)
+    torch.manual_seed(bits)
+    block, lengths = 128, [200, 128, 40]
+    slot = QuantSlot.of(impl.method, 64, block)
+    cache = torch.zeros(12, 2, block, slot.nbytes // 4)
+    order = torch.randperm(12)
+    tables, new_slots, new_keys, new_values = [], [], [], []
+    for r, n in enumerate(lengths):
+        table = order[4 * r : 4 * r + 2].int()
+        keys = torch.randn(n + 1, 2, 64) * torch.linspace(0.5, 3, 64)
+        values = torch.randn(n + 1, 2, 64)
+        feed(impl, cache, table, keys[:n], values[:n], [n], lambda c: torch.randn(c, 4, 64))
+        tables.append(torch.nn.functional.pad(table, (0, 2), value=0))
+        new_slots.append(slots_of(table, block, n + 1)[-1])
+        new_keys.append(keys[n])
+        new_values.append(values[n])
+    meta = KvweaveMetadata(
+        num_actual_tokens=3,
+        query_start=[0, 1, 2, 3],
+        seq_lens=[n + 1 for n in lengths],
+        block_table=torch.stack(tables),
+        slot_mapping=torch.stack(new_slots),
+    )
+    key, value, query = torch.stack(new_keys), torch.stack(new_values), torch.randn(3, 4, 64)
+    impl.do_kv_cache_update(None, key, value, cache, meta.slot_mapping)
+    outs = {}
+    for fused in (True, False):
+        impl.pin_decode("cpu", fused=fused, factored=True)
+        outs[fused] = impl.forward(None, query, key, value, cache, meta, torch.empty(3, 4, 64))
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-4, atol=1e-4)

@@ -2,20 +2,31 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-// Decode attention of one request straight from kvweave's packed vLLM blocks (QuantSlot layout): per slot
-// [key codes (C bytes) | value codes (C) | value scale, min (float16, VG each) | tail]; a block's tails, read
-// in slot order from byte `start`, begin with its key groups' headers (float16 scale [D], minimum [D] each).
-// Keys are per channel over key groups, values per token over channel groups; codes are packed along the
-// channels, 8 / bits per byte, the first channel in the lowest bits. Tokens from `quantized` on take their
-// keys from `residual` ([H, block_size, D] float32, the exact keys of the last, unfinished group).
+// Decode attention of a layer's decode rows straight from kvweave's packed vLLM blocks (QuantSlot layout): per
+// slot [key codes (C bytes) | value codes (C) | value scale, min (float16, VG each) | tail]; a block's tails,
+// read in slot order from byte `start`, begin with its key groups' headers (float16 scale [D], minimum [D]
+// each). Keys are per channel over key groups, values per token over channel groups; codes are packed along
+// the channels, 8 / bits per byte, the first channel in the lowest bits. A row's tokens from `quantized` on
+// take their keys from its residual row ([H, block_size, D] float32, the exact keys of its unfinished group).
 //
-// q: [H, G, D] f32 (the request's query heads, packed per KV head); pages: [NB, H, BS, SLOT] uint8;
-// ids: [held] int64 block ids in order. Returns out [S, H, G, D] f32 (normalised per split) and
-// lse [S, H, G] f32 (natural log of the scaled logits' sum; -inf where a split saw no token).
+// Work is cut into items of (row, KV head, run of blocks) of about equal size, run in parallel; each item keeps
+// an online softmax, and one pass per (row, head) merges its items and, when given, the row's new token
+// (exact key and value). Inside an item the codes are unpacked "planar": for 4 bits the low nibbles of a
+// slot's code bytes (channels 0, 2, 4, ...) then the high ones (1, 3, 5, ...), so unpacking is a shift and a
+// mask over contiguous bytes; the query is permuted the same way once per item and the output back once per
+// row. Keys are never dequantized: a group's per-channel scale is folded into the query and its minimum into
+// one dot product per query head, so a token's logit is the query's dot product with its codes.
+//
+// q: [R, H, G, D] f32 (each row's query heads, packed per KV head); k_new, v_new: [R, H, D] f32 or empty;
+// pages: [NB, H, BS, SLOT] uint8; table: [R, W] int64 block ids; cached, quantized, res_row: [R] int64
+// (res_row: the row's residual row, -1 for none); residual: [X, H, BS, D] f32 or empty. Returns
+// out [R, H, G, D] f32 and lse [R, H, G] f32 (natural log of the scaled logits' sum; -inf where nothing
+// was attended).
 
 static inline float half_at(const uint8_t* p) {
   at::Half h;
@@ -23,130 +34,309 @@ static inline float half_at(const uint8_t* p) {
   return static_cast<float>(h);
 }
 
-// One (split, KV head): the online softmax over the split's blocks, a tile of tokens (at most one key group,
-// at most 64 tokens) at a time: keys decoded and scored for the whole tile, then one rescale of the running sums.
-template <int BITS>
-static void attend_split(const float* qp, const uint8_t* pp, const int64_t* idp, const float* rp, int64_t h,
-                         int64_t H, int64_t G, int64_t D, int64_t BS, int64_t SLOT, int64_t b_first, int64_t b_end,
-                         int64_t cached, int64_t quantized, int64_t group, int64_t key_group, int64_t code_bytes,
-                         int64_t value_bytes, float scale, float* out, float* lse) {
-  constexpr int PER_BYTE = 8 / BITS;
+// exp(x) for x <= 0 in float32 (relative error ~2e-7): 2^floor * a degree-6 polynomial of the fraction, plain
+// arithmetic so that loops over it vectorize. Below -87 it returns exp(-87) (~1.6e-38), which times a zero
+// running sum is still zero.
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Item {
+  int64_t row, head, b_first, b_end;
+};
+
+struct Shape {
+  int64_t H, G, D, BS, SLOT, W, group, key_group, code_bytes, value_bytes;
+  float scale;
+};
+
+// One item: the online softmax over its blocks, a tile of tokens (at most one key group, at most 64 tokens) at
+// a time. m, l: [G]; acc: [G, D] in planar channel order.
+// acc[g, :] += sum over the tile's tokens t of p[g, t] * v[t, :] (p: [G, stride], v: [T, D]). With the head
+// size fixed, GB query heads' sums stay in registers over the tile and each value row is loaded once for them.
+template <int DIM>
+static inline void accumulate(const float* p, int64_t stride, const float* v, float* acc, int64_t G, int64_t T,
+                              int64_t D) {
+  if constexpr (DIM > 0) {
+    constexpr int64_t GB = DIM <= 64 ? 4 : 2;
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      const int64_t gn = std::min<int64_t>(GB, G - g0);
+      float a[GB][DIM];
+      for (int64_t gb = 0; gb < GB; ++gb)
+        for (int64_t i = 0; i < DIM; ++i) a[gb][i] = gb < gn ? acc[(g0 + gb) * DIM + i] : 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* vt = v + t * DIM;
+        for (int64_t gb = 0; gb < GB; ++gb) {
+          const float w = gb < gn ? p[(g0 + gb) * stride + t] : 0.f;
+#pragma omp simd
+          for (int64_t i = 0; i < DIM; ++i) a[gb][i] += w * vt[i];
+        }
+      }
+      for (int64_t gb = 0; gb < gn; ++gb)
+        for (int64_t i = 0; i < DIM; ++i) acc[(g0 + gb) * DIM + i] = a[gb][i];
+    }
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      float* ag = acc + g * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const float w = p[g * stride + t];
+        const float* vt = v + t * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ag[i] += w * vt[i];
+      }
+    }
+  }
+}
+
+template <int BITS, int DIM>  // DIM: the head size fixed at compile time (loops unrolled), 0 for any
+static void attend_item(const Item& it, const Shape& s, const float* q, const uint8_t* pages, const int64_t* ids,
+                        int64_t cached, int64_t quantized, const float* res, float* m, float* l, float* acc) {
+  constexpr int PB = 8 / BITS;
   constexpr int MASK = (1 << BITS) - 1;
   constexpr int64_t TILE = 64;
-  const int64_t start = code_bytes + value_bytes;  // where the tail (header bytes) starts in each slot
-  const int64_t tail = SLOT - start;
-  const int64_t VG = D / group;
-  std::vector<float> keys(TILE * D), values(TILE * D), kscale(D), kmin(D);
-  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), acc(G * D, 0.f), logit(G * TILE);
-  std::vector<uint8_t> codes(D);
-  for (int64_t bi = b_first; bi < b_end; ++bi) {
-    const uint8_t* block = pp + ((idp[bi] * H + h) * BS) * SLOT;
-    for (int64_t t0 = 0; t0 < BS; t0 += std::min(TILE, key_group)) {
+  const int64_t H = s.H, G = s.G, D = DIM > 0 ? DIM : s.D, BS = s.BS, SLOT = s.SLOT, C = s.code_bytes;
+  const int64_t J = D / PB;  // code bytes per token: planar index p * J + j is channel j * PB + p
+  const int64_t start = C + s.value_bytes, tail = SLOT - start;
+  const int64_t VG = D / s.group, seg = s.group / PB;  // value group vg covers planar j in [vg*seg, (vg+1)*seg)
+  std::vector<float> qs(G * D), qm(G), kscale(D), kmin(D);
+  std::vector<float> kt(D * TILE, 0.f), vv(TILE * D), x(G * TILE);
+  std::vector<uint8_t> cb(C * TILE, 0), header(4 * D);  // the tile's key code bytes, transposed: [byte, token]
+  for (int64_t g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t bi = it.b_first; bi < it.b_end; ++bi) {
+    const uint8_t* block = pages + ((ids[bi] * H + it.head) * BS) * SLOT;
+    for (int64_t t0 = 0; t0 < BS; t0 += std::min(TILE, s.key_group)) {
       const int64_t first_token = bi * BS + t0;
       if (first_token >= cached) break;
-      const int64_t T = std::min({TILE, key_group - t0 % key_group, BS - t0, cached - first_token});
+      const int64_t T = std::min({TILE, s.key_group - t0 % s.key_group, BS - t0, cached - first_token});
       const bool exact = first_token >= quantized;  // a key group is quantized whole or not at all
-      if (!exact) {  // the group's (scale, minimum): bytes kg*4D.. of the block's tails
-        const int64_t kg = t0 / key_group;
+      const float* qeff = q;
+      // keys channel-major, kt[d, t]: the logits of a query head are then vectorized over the tile's tokens
+      if (exact) {
+        for (int64_t t = 0; t < T; ++t) {
+          const float* rk = res + (it.head * BS + t0 + t) * D;
+          for (int64_t d = 0; d < D; ++d) kt[d * TILE + t] = rk[d];
+        }
+      } else {  // the group's (scale, minimum), folded into the query: bytes kg*4D.. of the block's tails
+        const int64_t kg = t0 / s.key_group;
+        for (int64_t done = 0; done < 4 * D;) {  // the header's 4D bytes, copied from the tails they span
+          const int64_t at = kg * 4 * D + done, in_tail = at % tail;
+          const int64_t piece = std::min(tail - in_tail, 4 * D - done);
+          std::memcpy(header.data() + done, block + (at / tail) * SLOT + start + in_tail, piece);
+          done += piece;
+        }
         for (int64_t d = 0; d < D; ++d) {
-          const int64_t i_s = kg * 4 * D + 2 * d, i_m = kg * 4 * D + 2 * D + 2 * d;
-          kscale[d] = half_at(block + (i_s / tail) * SLOT + start + i_s % tail);
-          kmin[d] = half_at(block + (i_m / tail) * SLOT + start + i_m % tail);
+          kscale[d] = half_at(header.data() + 2 * d);
+          kmin[d] = half_at(header.data() + 2 * D + 2 * d);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            qs[g * D + d] = q[g * D + d] * kscale[d];
+            dot += q[g * D + d] * kmin[d];
+          }
+          qm[g] = dot;
+        }
+        qeff = qs.data();
+        for (int64_t t = 0; t < T; ++t) {
+          const uint8_t* slot = block + (t0 + t) * SLOT;
+          for (int64_t j = 0; j < C; ++j) cb[j * TILE + t] = slot[j];
+        }
+        for (int64_t j = 0; j < C; ++j) {
+          const uint8_t* src = cb.data() + j * TILE;
+          for (int p = 0; p < PB; ++p) {
+            float* dst = kt.data() + (j * PB + p) * TILE;
+#pragma omp simd
+            for (int64_t t = 0; t < TILE; ++t) dst[t] = static_cast<float>((src[t] >> (p * BITS)) & MASK);
+          }
         }
       }
       for (int64_t t = 0; t < T; ++t) {
         const uint8_t* slot = block + (t0 + t) * SLOT;
-        float* key = keys.data() + t * D;
-        if (exact) {
-          const float* rk = rp + (h * BS + t0 + t) * D;
-          std::copy(rk, rk + D, key);
-        } else {
-          for (int64_t d = 0; d < D; ++d) codes[d] = (slot[d / PER_BYTE] >> ((d % PER_BYTE) * BITS)) & MASK;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) key[d] = codes[d] * kscale[d] + kmin[d];
-        }
-        const uint8_t* vmeta = slot + 2 * code_bytes;
-        for (int64_t d = 0; d < D; ++d) codes[d] = (slot[code_bytes + d / PER_BYTE] >> ((d % PER_BYTE) * BITS)) & MASK;
-        float* value = values.data() + t * D;
+        const uint8_t* vcodes = slot + C;
+        const uint8_t* vmeta = slot + 2 * C;
+        float* value = vv.data() + t * D;
         for (int64_t vg = 0; vg < VG; ++vg) {  // one (scale, minimum) per value group: two float16 reads
           const float vs = half_at(vmeta + 2 * vg), vm = half_at(vmeta + 2 * (VG + vg));
-          const int64_t d0 = vg * group, d1 = d0 + group;
+          for (int p = 0; p < PB; ++p) {
+            float* out = value + p * J;
 #pragma omp simd
-          for (int64_t d = d0; d < d1; ++d) value[d] = codes[d] * vs + vm;
+            for (int64_t j = vg * seg; j < (vg + 1) * seg; ++j)
+              out[j] = static_cast<float>((vcodes[j] >> (p * BITS)) & MASK) * vs + vm;
+          }
         }
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qp + (h * G + g) * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * key[d];
-          logit[g * TILE + t] = dot * scale;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 2) {  // logits [g, t] = q_eff[g] . kt[:, t] (+ the minima's dot)
+        const int64_t g1 = std::min(g0 + 1, G - 1);  // two query heads share each row of kt
+        float a[2][TILE];
+        for (int64_t t = 0; t < TILE; ++t) a[0][t] = 0.f, a[1][t] = 0.f;
+        const float *q0 = qeff + g0 * D, *q1 = qeff + g1 * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float w0 = q0[d], w1 = q1[d];
+          const float* k = kt.data() + d * TILE;
+#pragma omp simd
+          for (int64_t t = 0; t < TILE; ++t) {
+            a[0][t] += w0 * k[t];
+            a[1][t] += w1 * k[t];
+          }
         }
+        for (int64_t t = 0; t < T; ++t) x[g0 * TILE + t] = (a[0][t] + (exact ? 0.f : qm[g0])) * s.scale;
+        for (int64_t t = 0; t < T; ++t) x[g1 * TILE + t] = (a[1][t] + (exact ? 0.f : qm[g1])) * s.scale;
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* x = logit.data() + g * TILE;
+        float* xg = x.data() + g * TILE;
         float top = m[g];
-        for (int64_t t = 0; t < T; ++t) top = std::max(top, x[t]);
-        const float alpha = std::exp(m[g] - top);  // 0 when m was -inf
-        float* ag = acc.data() + g * D;
-        float sum = l[g] * alpha;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+        for (int64_t t = 0; t < T; ++t) top = std::max(top, xg[t]);
+        const float alpha = exp_neg(m[g] - top);  // ~0 when m was -inf, and l, acc are 0 then
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < T; ++t) {
-          const float p = std::exp(x[t] - top);
+          const float p = exp_neg(xg[t] - top);
+          xg[t] = p;
           sum += p;
-          const float* v = values.data() + t * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
         }
-        l[g] = sum;
+        float* ag = acc + g * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ag[i] *= alpha;
+        l[g] = l[g] * alpha + sum;
         m[g] = top;
       }
+      accumulate<DIM>(x.data(), TILE, vv.data(), acc, G, T, D);
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    if (l[g] <= 0.f) continue;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] / l[g];
-    lse[g] = m[g] + std::log(l[g]);
   }
 }
 
-std::vector<torch::Tensor> vllm_quant_decode(torch::Tensor q, torch::Tensor pages, torch::Tensor ids,
-                                             torch::Tensor residual, int64_t cached, int64_t quantized,
-                                             int64_t bits, int64_t group, int64_t key_group, int64_t code_bytes,
-                                             int64_t value_bytes, double scaling, int64_t splits) {
-  const int64_t H = q.size(0), G = q.size(1), D = q.size(2);
-  const int64_t BS = pages.size(2), SLOT = pages.size(3);
-  const int64_t held = ids.size(0);
-  TORCH_CHECK(pages.size(1) == H, "vllm_quant_decode: pages hold ", pages.size(1), " heads, the query ", H);
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "vllm_quant_decode: bits must be 2, 4 or 8");
-  TORCH_CHECK(quantized >= cached || residual.numel() > 0,
-              "vllm_quant_decode: tokens past the quantized groups need the residual");
-  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(splits, held));
-  const int64_t per_split = (held + S - 1) / S;
-  auto out = torch::zeros({S, H, G, D}, q.options());
-  auto lse = torch::full({S, H, G}, -std::numeric_limits<float>::infinity(), q.options());
+template <int BITS>
+static void dispatch_dim(int64_t D, const Item& it, const Shape& s, const float* q, const uint8_t* pages,
+                         const int64_t* ids, int64_t cached, int64_t quantized, const float* res, float* m, float* l,
+                         float* acc) {
+  if (D == 64)
+    attend_item<BITS, 64>(it, s, q, pages, ids, cached, quantized, res, m, l, acc);
+  else if (D == 128)
+    attend_item<BITS, 128>(it, s, q, pages, ids, cached, quantized, res, m, l, acc);
+  else
+    attend_item<BITS, 0>(it, s, q, pages, ids, cached, quantized, res, m, l, acc);
+}
+
+static void dispatch(int bits, int64_t D, const Item& it, const Shape& s, const float* q, const uint8_t* pages,
+                     const int64_t* ids, int64_t cached, int64_t quantized, const float* res, float* m, float* l,
+                     float* acc) {
+  if (bits == 2)
+    dispatch_dim<2>(D, it, s, q, pages, ids, cached, quantized, res, m, l, acc);
+  else if (bits == 4)
+    dispatch_dim<4>(D, it, s, q, pages, ids, cached, quantized, res, m, l, acc);
+  else
+    dispatch_dim<8>(D, it, s, q, pages, ids, cached, quantized, res, m, l, acc);
+}
+
+std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
+                                                  torch::Tensor pages, torch::Tensor table, torch::Tensor cached,
+                                                  torch::Tensor quantized, torch::Tensor residual,
+                                                  torch::Tensor res_row, int64_t bits, int64_t group,
+                                                  int64_t key_group, int64_t code_bytes, int64_t value_bytes,
+                                                  double scaling, int64_t item_blocks) {
+  const int64_t R = q.size(0);
+  Shape s{q.size(1), q.size(2),        q.size(3), pages.size(2),          pages.size(3),
+          table.size(1), group,        key_group, code_bytes, value_bytes, static_cast<float>(scaling)};
+  const int64_t H = s.H, G = s.G, D = s.D;
+  TORCH_CHECK(pages.size(1) == H, "vllm_quant_decode_rows: pages hold ", pages.size(1), " heads, the query ", H);
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "vllm_quant_decode_rows: bits must be 2, 4 or 8");
+  TORCH_CHECK(table.size(0) == R && cached.size(0) == R && quantized.size(0) == R && res_row.size(0) == R,
+              "vllm_quant_decode_rows: table, cached, quantized and res_row need one entry per row");
+  const bool with_new = k_new.numel() > 0;
+  const int64_t* cp = cached.data_ptr<int64_t>();
+  const int64_t* qz = quantized.data_ptr<int64_t>();
+  const int64_t* rr = res_row.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK((cp[r] + s.BS - 1) / s.BS <= s.W, "vllm_quant_decode_rows: row ", r, " holds ", cp[r],
+                " tokens, more than its block table's ", s.W, " blocks");
+    TORCH_CHECK(qz[r] >= cp[r] || (rr[r] >= 0 && rr[r] < residual.size(0)),
+                "vllm_quant_decode_rows: row ", r, "'s tokens past its quantized groups need a residual row");
+  }
+  // items of about `item_blocks` blocks: equal-sized work, so the threads' even split of them stays balanced
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(R * H + 1, 0);
+  const int64_t per = std::max<int64_t>(1, item_blocks);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t held = (cp[r] + s.BS - 1) / s.BS;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t b = 0; b < held; b += per) items.push_back({r, h, b, std::min(held, b + per)});
+      first_item[r * H + h + 1] = static_cast<int64_t>(items.size());
+    }
+  }
+  const int64_t N = static_cast<int64_t>(items.size());
+  std::vector<float> m(N * G), l(N * G), acc(N * G * D);
   const float* qp = q.data_ptr<float>();
   const uint8_t* pp = pages.data_ptr<uint8_t>();
-  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
   const float* rp = residual.numel() > 0 ? residual.data_ptr<float>() : nullptr;
+  const int64_t res_stride = H * s.BS * D;
+  at::parallel_for(0, N, 1, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) {
+      const Item& it = items[n];
+      const float* qrow = qp + (it.row * H + it.head) * G * D;
+      const float* res = rr[it.row] >= 0 && rp != nullptr ? rp + rr[it.row] * res_stride : nullptr;
+      const int64_t* ids = tp + it.row * s.W;
+      float *mn = m.data() + n * G, *ln = l.data() + n * G, *an = acc.data() + n * G * D;
+      dispatch(static_cast<int>(bits), D, it, s, qrow, pp, ids, cp[it.row], qz[it.row], res, mn, ln, an);
+    }
+  });
+  auto out = torch::zeros({R, H, G, D}, q.options());
+  auto lse = torch::full({R, H, G}, -std::numeric_limits<float>::infinity(), q.options());
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, S * H, 1, [&](int64_t first, int64_t last) {
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t s = item / H, h = item % H;
-      const int64_t b_first = s * per_split, b_end = std::min(held, (s + 1) * per_split);
-      float* o = op + (s * H + h) * G * D;
-      float* e = lp + (s * H + h) * G;
-      if (bits == 2)
-        attend_split<2>(qp, pp, idp, rp, h, H, G, D, BS, SLOT, b_first, b_end, cached, quantized, group,
-                        key_group, code_bytes, value_bytes, scale, o, e);
-      else if (bits == 4)
-        attend_split<4>(qp, pp, idp, rp, h, H, G, D, BS, SLOT, b_first, b_end, cached, quantized, group,
-                        key_group, code_bytes, value_bytes, scale, o, e);
-      else
-        attend_split<8>(qp, pp, idp, rp, h, H, G, D, BS, SLOT, b_first, b_end, cached, quantized, group,
-                        key_group, code_bytes, value_bytes, scale, o, e);
+  const float* kp = with_new ? k_new.data_ptr<float>() : nullptr;
+  const float* vp = with_new ? v_new.data_ptr<float>() : nullptr;
+  const int PB = 8 / static_cast<int>(bits);
+  const int64_t J = D / PB;
+  at::parallel_for(0, R * H, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> sum(D);
+    for (int64_t rh = first; rh < last; ++rh) {
+      const float* qrow = qp + rh * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float top = -std::numeric_limits<float>::infinity(), new_logit = 0.f;
+        for (int64_t n = first_item[rh]; n < first_item[rh + 1]; ++n) top = std::max(top, m[n * G + g]);
+        if (with_new) {
+          const float* key = kp + rh * D;
+          for (int64_t d = 0; d < D; ++d) new_logit += qrow[g * D + d] * key[d];
+          new_logit *= s.scale;
+          top = std::max(top, new_logit);
+        }
+        if (top == -std::numeric_limits<float>::infinity()) continue;  // nothing attended
+        float total = 0.f;
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t n = first_item[rh]; n < first_item[rh + 1]; ++n) {
+          const float w = std::exp(m[n * G + g] - top);
+          total += w * l[n * G + g];
+          const float* an = acc.data() + (n * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) sum[d] += w * an[d];  // planar order
+        }
+        float* o = op + (rh * G + g) * D;
+        for (int64_t p = 0; p < PB; ++p)
+          for (int64_t j = 0; j < J; ++j) o[j * PB + p] = sum[p * J + j];
+        if (with_new) {
+          const float w = std::exp(new_logit - top);
+          total += w;
+          const float* value = vp + rh * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * value[d];
+        }
+        for (int64_t d = 0; d < D; ++d) o[d] /= total;
+        lp[rh * G + g] = top + std::log(total);
+      }
     }
   });
   return {out, lse};

@@ -4,32 +4,34 @@ packed blocks (no dequantized copy of a request's KV per step).
 The vLLM backend (:mod:`kvweave.vllm.backend`) stores KIVI codes in vLLM's paged cache with the layout of
 ``kvweave.vllm.config.QuantSlot``: per slot the key codes, the value codes and the value groups' float16
 (scale, minimum), and in the tails of a block's slots the key groups' per-channel (scale, minimum). A decode
-step of one request attends over its stored tokens: :func:`decode` does it in one pass per KV head (and split
-of the blocks), an online softmax in float32, and returns the output and log-sum-exp per split, merged by
-:func:`kvweave.ops.attention.merge_splits`; the backend merges the new token (exact) with
-:func:`kvweave.ops.attention.merge_parts`.
+step attends every decode row of a layer over its stored tokens and its new one (exact) in one call,
+:func:`decode_rows`: pieces of about equal work (row, KV head, run of blocks) in parallel, each an online
+softmax in float32 over codes that are never dequantized (a key group's scale is folded into the query), then
+one merge per row and head. :func:`decode` is the same for one request without the new token.
 
-:func:`decode_reference` is the torch path it is tested against (the backend's own: unpack the blocks with the
-layout, then :func:`kvweave.ops.attention.attention_with_lse`). Built on first use like
+:func:`decode_reference` and :func:`decode_rows_reference` are the torch paths it is tested against (the
+backend's own: unpack the blocks with the layout, then :func:`kvweave.ops.attention.attention_with_lse`). Built on first use like
 :mod:`kvweave.kernels.cpu_quant`; :func:`load` returns ``None`` where it cannot be built.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvweave.kernels._build import build, source
-from kvweave.ops.attention import attention_with_lse, merge_splits
+from kvweave.ops.attention import attention_with_lse, merge_parts
 
-_NAME = "kvweave_cpu_vllm_quant_v3"
+_NAME = "kvweave_cpu_vllm_quant_v4"
 _SOURCE = source("cpu_vllm_quant.cpp")
 _CPP_DECL = (
-    "std::vector<torch::Tensor> vllm_quant_decode(torch::Tensor q, torch::Tensor pages, torch::Tensor ids, "
-    "torch::Tensor residual, int64_t cached, int64_t quantized, int64_t bits, int64_t group, int64_t key_group, "
-    "int64_t code_bytes, int64_t value_bytes, double scaling, int64_t splits);"
+    "std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
+    "torch::Tensor pages, torch::Tensor table, torch::Tensor cached, torch::Tensor quantized, "
+    "torch::Tensor residual, torch::Tensor res_row, int64_t bits, int64_t group, int64_t key_group, "
+    "int64_t code_bytes, int64_t value_bytes, double scaling, int64_t item_blocks);"
 )
 
 _reason: str | None = None
@@ -39,13 +41,66 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_quant_decode"])
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_quant_decode_rows"])
     return module
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`load` returned ``None`` (``None`` if it has not failed)."""
     return _reason
+
+
+def _longs(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64).contiguous()
+
+
+def decode_rows(
+    queries: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor] | None,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    cached: Sequence[int] | torch.Tensor,
+    quantized: Sequence[int] | torch.Tensor,
+    residual: torch.Tensor | None,
+    res_rows: Sequence[int] | torch.Tensor,
+    layout: Any,
+    scaling: float,
+    item_blocks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call for every decode row of a layer: row ``r``'s ``queries[r]: [H, G, D]`` (its query heads, packed
+    per KV head) attend over its first ``cached[r]`` stored tokens in blocks ``table[r]`` of
+    ``pages: [NB, H, block_size, slot]`` uint8 (``layout``: the ``QuantSlot``) and, with ``new = (keys,
+    values)`` (``[R, H, D]``), over its new token, exact. Tokens from ``quantized[r]`` on take their keys from
+    ``residual[res_rows[r]]: [H, block_size, D]`` (the exact keys of the unfinished key group's block; -1 where
+    the row has none). Work is cut into pieces of ``item_blocks`` blocks (default: about 8 per thread).
+    Returns ``out: [R, H, G, D]`` and ``lse: [R, H, G]`` float32."""
+    module = load()
+    assert module is not None, unavailable_reason()
+    cached_t = _longs(cached)
+    if item_blocks is None:
+        block_size = pages.shape[2]
+        work = int(((cached_t + block_size - 1) // block_size).sum()) * queries.shape[1]
+        item_blocks = max(1, -(-work // (8 * torch.get_num_threads())))
+    none = torch.empty(0)
+    out, lse = module.vllm_quant_decode_rows(
+        queries.float().contiguous(),
+        none if new is None else new[0].float().contiguous(),
+        none if new is None else new[1].float().contiguous(),
+        pages.contiguous(),
+        table.to(torch.int64).contiguous(),
+        cached_t,
+        _longs(quantized),
+        none if residual is None else residual.float().contiguous(),
+        _longs(res_rows),
+        layout.bits,
+        layout.group,
+        layout.key_group,
+        layout.code_bytes,
+        layout.value_bytes,
+        float(scaling),
+        int(item_blocks),
+    )
+    return out, lse
 
 
 def decode(
@@ -59,31 +114,24 @@ def decode(
     scaling: float,
     splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query: [H, G, D]`` (a request's query heads, packed per KV head) over its first ``cached``
-    stored tokens in blocks ``ids: [held]`` of ``pages: [NB, H, block_size, slot]`` uint8 (``layout``: the
-    ``QuantSlot``); tokens from ``quantized`` on take their keys from ``residual: [H, block_size, D]`` (the exact
-    keys of the unfinished key group's block). Returns ``out: [H, G, D]`` and ``lse: [H, G]`` float32."""
-    module = load()
-    assert module is not None, unavailable_reason()
-    if splits is None:
-        splits = max(1, torch.get_num_threads() // max(1, query.shape[0]))
-    out, lse = module.vllm_quant_decode(
-        query.float().contiguous(),
-        pages.contiguous(),
-        ids.to(torch.int64).contiguous(),
-        torch.empty(0) if residual is None else residual.float().contiguous(),
-        int(cached),
-        int(quantized),
-        layout.bits,
-        layout.group,
-        layout.key_group,
-        layout.code_bytes,
-        layout.value_bytes,
-        float(scaling),
-        int(splits),
+    """:func:`decode_rows` for one request and no new token: ``query: [H, G, D]`` over its first ``cached``
+    stored tokens in blocks ``ids: [held]``, ``residual: [H, block_size, D]`` or ``None``; ``splits`` cuts its
+    blocks into that many pieces. Returns ``out: [H, G, D]`` and ``lse: [H, G]`` float32."""
+    item_blocks = None if splits is None else max(1, -(-len(ids) // splits))
+    out, lse = decode_rows(
+        query[None],
+        None,
+        pages,
+        ids.view(1, -1),
+        [cached],
+        [quantized],
+        None if residual is None else residual[None],
+        [0 if residual is not None else -1],
+        layout,
+        scaling,
+        item_blocks,
     )
-    merged, total = merge_splits(out.permute(1, 0, 2, 3), lse.permute(1, 0, 2))  # [H, S, G, D] -> [H, G, D]
-    return merged, total
+    return out[0], lse[0]
 
 
 def decode_reference(
@@ -109,3 +157,39 @@ def decode_reference(
         ].float()
     out, lse = attention_with_lse(query, keys.float(), values.float(), None, scaling)
     return out, lse
+
+
+def decode_rows_reference(
+    queries: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor] | None,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    cached: Sequence[int] | torch.Tensor,
+    quantized: Sequence[int] | torch.Tensor,
+    residual: torch.Tensor | None,
+    res_rows: Sequence[int] | torch.Tensor,
+    layout: Any,
+    scaling: float,
+    item_blocks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_rows` in torch, one row at a time: :func:`decode_reference`, then the new token merged."""
+    outs, lses = [], []
+    block_size = pages.shape[2]
+    for r, (n, z, row) in enumerate(
+        zip(_longs(cached).tolist(), _longs(quantized).tolist(), _longs(res_rows).tolist(), strict=True)
+    ):
+        held = -(-n // block_size)
+        res = None if row < 0 or residual is None else residual[row]
+        out, lse = decode_reference(queries[r], pages, table[r, :held], res, n, z, layout, scaling)
+        if new is not None:
+            key, value = new[0][r].float(), new[1][r].float()  # [H, D]
+            new_lse = (queries[r].float() * key.unsqueeze(1)).sum(-1) * scaling  # [H, G]
+            parts: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+                (out, lse),
+                (value.unsqueeze(1).expand_as(out), new_lse),
+            ]
+            total = torch.logaddexp(lse, new_lse)
+            out, lse = merge_parts(parts), total
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)

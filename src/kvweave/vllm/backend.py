@@ -58,8 +58,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvweave.kernels.registry import Kernel, choose
-from kvweave.ops.attention import attention_with_lse, merge_parts
-from kvweave.ops.rope import remove_rotary, rotate_half
+from kvweave.ops.attention import attention_with_lse
+from kvweave.ops.rope import apply_rotary, remove_rotary
 from kvweave.vllm.config import ENV_METHOD, Basis, PageSlot, QuantSlot, VllmMethod, WeaveSlot, rope_cos_sin
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
@@ -210,6 +210,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         self.residual: KeyResidual | None = None  # quant: exact keys of the key groups not yet quantized
         self.max_requests = _max_requests()
         self.fused_choice: dict[str, bool] = {}  # device type -> quant decode runs the fused kernel
+        self.weave_factored: bool | None = None  # depthweave decode weights value coordinates (read once)
         # depthweave: the requests' bases and sinks, the newest (partial) block of each request exact, and the
         # model's rotary frequencies (read from vLLM's model config on first use; tests may set them)
         self.bases: WeaveBases | None = None
@@ -346,9 +347,14 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         if isinstance(layout, WeaveSlot):
             self._weave_store(key, value, pages, layout, meta)
         decode_calls = 0
+        fused: list[int] = []  # quant decode rows, attended together in one kernel call after the loop
+        fuse = isinstance(layout, QuantSlot) and self._fused_decode(query.device)
         for row, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start[row], meta.query_start[row + 1]
             if end <= start:
+                continue
+            if fuse and end - start == 1 and seq_len > 1:
+                fused.append(row)
                 continue
             q, k_new, v_new = query[start:end], key[start:end], value[start:end]
             table = meta.block_table[row]
@@ -359,6 +365,10 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 out = self._attend(q, k_new, v_new, pages, layout, table, seq_len)
                 decode_calls += end - start == 1
             output[start:end] = out.to(output.dtype)
+        if fused:
+            assert isinstance(layout, QuantSlot)
+            self._fused_quant_decode(query, key, value, pages, layout, meta, fused, output)
+            decode_calls += len(fused)
         if decode_calls:
             _count_calls(decode_calls)
         return output
@@ -377,8 +387,6 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         and its new tokens (exact)."""
         n = q.shape[0]
         cached = seq_len - n
-        if n == 1 and cached > 0 and isinstance(layout, QuantSlot) and self._fused_decode(q.device):
-            return self._fused_quant_decode(q, k_new, v_new, pages, layout, table, seq_len)
         if n == 1 and cached > 0 and isinstance(layout, WeaveSlot) and self._weave_factored():
             return self._weave_decode(q, k_new, v_new, pages, layout, table, cached)
         keys, values = k_new.transpose(0, 1).float(), v_new.transpose(0, 1).float()  # [H, n, D]
@@ -391,7 +399,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             if n == 1:
                 _add_stats(blocks_read=held * self.num_kv_heads, blocks_held=held * self.num_kv_heads)
         # 4-D operands ([1, heads, tokens, D]): with 3-D ones torch's CPU SDPA takes its math path, which builds
-        # the whole [Hq, n, T] weights (5.8x slower on a 2K-token prefill chunk of qwen2.5-coder-0.5b's heads)
+        # the whole [Hq, n, T] weights (the load rows of docs/data/vllm/load-2k-before/ ran that path)
         queries = q.transpose(0, 1).float().unsqueeze(0)  # [1, Hq, n, D]
         keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         if cached == 0:
@@ -430,39 +438,64 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
     def _weave_factored(self) -> bool:
         """Whether depthweave decode rows weight the value coordinates (:meth:`_weave_decode`) instead of
         rebuilding every stored value: ``KVWEAVE_VLLM_KERNEL=torch`` keeps the rebuilding reference path."""
-        if "weave" not in self.fused_choice:
-            self.fused_choice["weave"] = os.environ.get(ENV_KERNEL, "auto").strip() != "torch"
-        return bool(self.fused_choice["weave"])
+        if self.weave_factored is None:
+            self.weave_factored = os.environ.get(ENV_KERNEL, "auto").strip() != "torch"
+        return self.weave_factored
+
+    def pin_decode(self, device: torch.device | str, *, fused: bool, factored: bool) -> None:
+        """Fix the decode paths ``KVWEAVE_VLLM_KERNEL`` would choose on ``device``: quant's fused kernel or its
+        torch path, depthweave's factored read or its rebuild (benchmarks time each path in one process)."""
+        self.fused_choice = {torch.device(device).type: fused}
+        self.weave_factored = factored
 
     def _fused_quant_decode(
         self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         pages: torch.Tensor,
         layout: QuantSlot,
-        table: torch.Tensor,
-        seq_len: int,
-    ) -> torch.Tensor:
-        """One decode row ``q: [1, Hq, D]``: the stored tokens in the fused kernel, the new one exact, merged."""
+        meta: KvweaveMetadata,
+        rows: list[int],
+        output: torch.Tensor,
+    ) -> None:
+        """The decode ``rows`` of this step (one new token each, stored tokens before it) in one call of the
+        fused kernel: each row's stored tokens from its blocks, its new token exact, merged in the kernel."""
         from kvweave.kernels import cpu_vllm_quant
 
-        heads, block_size, cached = self.num_kv_heads, pages.shape[2], seq_len - 1
-        held = -(-cached // block_size)
-        ids = table[:held].long()
-        quantized = seq_len // layout.key_group * layout.key_group  # tokens in finished key groups
+        heads, block_size = self.num_kv_heads, pages.shape[2]
+        at = torch.tensor([meta.query_start[r] for r in rows])
+        seq_lens = [meta.seq_lens[r] for r in rows]
+        cached = [n - 1 for n in seq_lens]
+        quantized = [n // layout.key_group * layout.key_group for n in seq_lens]  # tokens in finished groups
+        table = meta.block_table[torch.tensor(rows)]
+        res_rows, unfinished = [-1] * len(rows), []  # unfinished: (index, block) whose exact keys wait
+        for i, (n, z) in enumerate(zip(cached, quantized, strict=True)):
+            if z < n:
+                unfinished.append((i, int(table[i, z // block_size])))
         residual = None
-        if quantized < cached:  # the unfinished key group's exact keys wait in the residual
+        if unfinished:
             assert self.residual is not None
-            row = self.residual.rows_of(ids[quantized // block_size : quantized // block_size + 1])[0]
-            residual = self.residual.keys[row]  # [H, block_size, D]
-        queries = q[0].float().view(heads, self.group_size, -1)  # [H, g, D]
-        stored = cpu_vllm_quant.decode(queries, pages, ids, residual, cached, quantized, layout, self.scale)
-        key, value = k_new[0].float(), v_new[0].float()  # [H, D]
-        new_lse = (queries * key.unsqueeze(1)).sum(-1) * self.scale  # [H, g]
-        out = merge_parts([stored, (value.unsqueeze(1).expand_as(queries), new_lse)])
-        _add_stats(blocks_read=held * heads, blocks_held=held * heads, fused_decode_rows=1)
-        return out.reshape(1, self.num_heads, -1)
+            found = self.residual.rows_of(torch.tensor([block for _, block in unfinished]))
+            residual = self.residual.keys[found]  # [U, H, block_size, D]: only the rows these requests read
+            for u, (i, _) in enumerate(unfinished):
+                res_rows[i] = u
+        queries = query[at].view(len(rows), heads, self.group_size, -1)
+        out, _ = cpu_vllm_quant.decode_rows(
+            queries,
+            (key[at], value[at]),
+            pages,
+            table,
+            cached,
+            quantized,
+            residual,
+            res_rows,
+            layout,
+            self.scale,
+        )
+        output[at] = out.reshape(len(rows), self.num_heads, -1).to(output.dtype)
+        held = sum(-(-n // block_size) for n in cached)
+        _add_stats(blocks_read=held * heads, blocks_held=held * heads, fused_decode_rows=len(rows))
 
     def _stored(
         self,
@@ -605,8 +638,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         entry = self.bases.get(int(ids[0]))
         ck, cv = layout.unpack(blocks)  # [held, block_size, r]
         keys = entry.k.decode(ck.flatten(0, 1)[:cached]).view(cached, heads, -1)
-        cos, sin = self._rope(0, cached)
-        keys = keys * cos.unsqueeze(1) + rotate_half(keys) * sin.unsqueeze(1)  # [cached, H, D]
+        cos, sin = self._rope(0, cached)  # [cached, D]: broadcast over the heads of [H, cached, D]
+        keys = apply_rotary(keys.transpose(0, 1), cos, sin).transpose(0, 1)  # [cached, H, D]
         empty = torch.empty(0, dtype=torch.long)
         pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = (
             empty,
