@@ -70,6 +70,7 @@ class Kvweave:
             num_heads=heads * args.group, head_size=dim, scale=dim**-0.5, num_kv_heads=heads
         )
         self.impl.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+        self.impl.max_requests = max(self.impl.max_requests, keys.shape[0])  # vLLM's max_num_seqs
         parsed = VllmMethod.parse(method)
         if parsed.name == "depthweave":
             slot: Any = WeaveSlot.of(parsed, dim, heads, block)

@@ -131,3 +131,25 @@ def test_decode_rows_refuses_a_row_past_its_block_table():
             layout,
             0.25,
         )
+
+
+@pytest.mark.parametrize(("bits", "group"), [(2, 64), (4, 64), (4, 16), (8, 32)])
+def test_write_values_is_the_torch_packing_bit_for_bit(bits, group):
+    """Values written by the C++ write hook are ``QuantSlot.pack_values`` byte for byte, slot bytes around
+    them untouched; ties on the rounding grid and constant groups (scale 0) included."""
+    torch.manual_seed(bits + group)
+    layout = QuantSlot(64, bits, group, 16, 16)
+    values = torch.randn(9, 2, 64) * 3
+    values[0] = 1.5  # one constant token: scale 0
+    values[1, :, :8] = torch.arange(8).float() / 2  # values on half steps of the grid
+    blocks, offsets = torch.tensor([3, 3, 0, 5, 5, 5, 1, 2, 4]), torch.tensor([0, 1, 7, 2, 3, 15, 0, 9, 4])
+    pages = torch.randint(0, 256, (6, 2, 16, layout.nbytes), dtype=torch.uint8)
+    want = pages.clone()
+    c = layout.code_bytes
+    want[blocks, :, offsets, c : c + layout.value_bytes] = layout.pack_values(values)
+    cpu_vllm_quant.write_values(values, pages, blocks, offsets, layout)
+    assert torch.equal(pages, want)
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        cpu_vllm_quant.write_values(
+            torch.full((1, 2, 64), float("nan")), pages, blocks[:1], offsets[:1], layout
+        )

@@ -20,7 +20,10 @@
 // slot's code bytes (channels 0, 2, 4, ...) then the high ones (1, 3, 5, ...), so unpacking is a shift and a
 // mask over contiguous bytes; the query is permuted the same way once per item and the output back once per
 // row. Keys are never dequantized: a group's per-channel scale is folded into the query and its minimum into
-// one dot product per query head, so a token's logit is the query's dot product with its codes.
+// one dot product per query head, so a token's logit is the query's dot product with its codes; a tile's key
+// codes are transposed first, so that a query head's logits are vectorized over the tile's tokens. Values with
+// one group per head are not dequantized either: their scale goes into the attention weights and their
+// minimum into one running sum per query head.
 //
 // q: [R, H, G, D] f32 (each row's query heads, packed per KV head); k_new, v_new: [R, H, D] f32 or empty;
 // pages: [NB, H, BS, SLOT] uint8; table: [R, W] int64 block ids; cached, quantized, res_row: [R] int64
@@ -108,12 +111,17 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
   constexpr int PB = 8 / BITS;
   constexpr int MASK = (1 << BITS) - 1;
   constexpr int64_t TILE = 64;
+#ifdef __AVX512F__
+  constexpr int64_t LG = 4;  // query heads per block of logits: 4 x 64 accumulators fit 32 vector registers
+#else
+  constexpr int64_t LG = 2;
+#endif
   const int64_t H = s.H, G = s.G, D = DIM > 0 ? DIM : s.D, BS = s.BS, SLOT = s.SLOT, C = s.code_bytes;
   const int64_t J = D / PB;  // code bytes per token: planar index p * J + j is channel j * PB + p
   const int64_t start = C + s.value_bytes, tail = SLOT - start;
   const int64_t VG = D / s.group, seg = s.group / PB;  // value group vg covers planar j in [vg*seg, (vg+1)*seg)
   std::vector<float> qs(G * D), qm(G), kscale(D), kmin(D);
-  std::vector<float> kt(D * TILE, 0.f), vv(TILE * D), x(G * TILE);
+  std::vector<float> kt(D * TILE, 0.f), vv(TILE * D), x(G * TILE), vscale(TILE), vmin(TILE), msum(G, 0.f);
   std::vector<uint8_t> cb(C * TILE, 0), header(4 * D);  // the tile's key code bytes, transposed: [byte, token]
   for (int64_t g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   std::fill(acc, acc + G * D, 0.f);
@@ -170,6 +178,15 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
         const uint8_t* vcodes = slot + C;
         const uint8_t* vmeta = slot + 2 * C;
         float* value = vv.data() + t * D;
+        if (VG == 1) {  // one (scale, minimum) per token: codes kept, the scale goes into the weights
+          vscale[t] = half_at(vmeta), vmin[t] = half_at(vmeta + 2);
+          for (int p = 0; p < PB; ++p) {
+            float* out = value + p * J;
+#pragma omp simd
+            for (int64_t j = 0; j < J; ++j) out[j] = static_cast<float>((vcodes[j] >> (p * BITS)) & MASK);
+          }
+          continue;
+        }
         for (int64_t vg = 0; vg < VG; ++vg) {  // one (scale, minimum) per value group: two float16 reads
           const float vs = half_at(vmeta + 2 * vg), vm = half_at(vmeta + 2 * (VG + vg));
           for (int p = 0; p < PB; ++p) {
@@ -180,22 +197,25 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
           }
         }
       }
-      for (int64_t g0 = 0; g0 < G; g0 += 2) {  // logits [g, t] = q_eff[g] . kt[:, t] (+ the minima's dot)
-        const int64_t g1 = std::min(g0 + 1, G - 1);  // two query heads share each row of kt
-        float a[2][TILE];
-        for (int64_t t = 0; t < TILE; ++t) a[0][t] = 0.f, a[1][t] = 0.f;
-        const float *q0 = qeff + g0 * D, *q1 = qeff + g1 * D;
+      for (int64_t g0 = 0; g0 < G; g0 += LG) {  // logits [g, t] = q_eff[g] . kt[:, t] (+ the minima's dot)
+        int64_t gs[LG];  // LG query heads share each row of kt (the last block repeats its last head)
+        for (int64_t k = 0; k < LG; ++k) gs[k] = std::min(g0 + k, G - 1);
+        float a[LG][TILE];
+        for (int64_t k = 0; k < LG; ++k)
+          for (int64_t t = 0; t < TILE; ++t) a[k][t] = 0.f;
         for (int64_t d = 0; d < D; ++d) {
-          const float w0 = q0[d], w1 = q1[d];
-          const float* k = kt.data() + d * TILE;
+          float w[LG];
+          for (int64_t k = 0; k < LG; ++k) w[k] = qeff[gs[k] * D + d];
+          const float* kd = kt.data() + d * TILE;
+          for (int64_t k = 0; k < LG; ++k) {
 #pragma omp simd
-          for (int64_t t = 0; t < TILE; ++t) {
-            a[0][t] += w0 * k[t];
-            a[1][t] += w1 * k[t];
+            for (int64_t t = 0; t < TILE; ++t) a[k][t] += w[k] * kd[t];
           }
         }
-        for (int64_t t = 0; t < T; ++t) x[g0 * TILE + t] = (a[0][t] + (exact ? 0.f : qm[g0])) * s.scale;
-        for (int64_t t = 0; t < T; ++t) x[g1 * TILE + t] = (a[1][t] + (exact ? 0.f : qm[g1])) * s.scale;
+        for (int64_t k = 0; k < LG && g0 + k < G; ++k) {
+          const float add = exact ? 0.f : qm[g0 + k];
+          for (int64_t t = 0; t < T; ++t) x[(g0 + k) * TILE + t] = (a[k][t] + add) * s.scale;
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* xg = x.data() + g * TILE;
@@ -209,6 +229,15 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
           xg[t] = p;
           sum += p;
         }
+        if (VG == 1) {  // sum of p * (code * scale + min): the minima's part apart, the scales into p
+          float low = 0.f;
+#pragma omp simd reduction(+ : low)
+          for (int64_t t = 0; t < T; ++t) {
+            low += xg[t] * vmin[t];
+            xg[t] *= vscale[t];
+          }
+          msum[g] = msum[g] * alpha + low;
+        }
         float* ag = acc + g * D;
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) ag[i] *= alpha;
@@ -218,6 +247,9 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
       accumulate<DIM>(x.data(), TILE, vv.data(), acc, G, T, D);
     }
   }
+  if (VG == 1)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < D; ++i) acc[g * D + i] += msum[g];
 }
 
 template <int BITS>
@@ -340,4 +372,56 @@ std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor
     }
   });
   return {out, lse};
+}
+
+// The write hook's value half: each token's value ``value: [N, H, D]`` (float32) quantized per token over groups
+// of ``group`` channels (asymmetric min/max, the codes against the float16-rounded scale and minimum, as
+// kvweave.ops.quantize.quantize computes them) and written into its slot (``blocks, offsets: [N]`` int64) of
+// ``pages: [NB, H, BS, SLOT]`` at byte ``code_bytes``: the packed codes, then the groups' float16 scales, then
+// their minima. Returns false (and writes nothing) if a value is NaN/Inf or its scale overflows float16.
+bool vllm_quant_write_values(torch::Tensor value, torch::Tensor pages, torch::Tensor blocks, torch::Tensor offsets,
+                             int64_t bits, int64_t group, int64_t code_bytes) {
+  const int64_t N = value.size(0), H = value.size(1), D = value.size(2);
+  const int64_t BS = pages.size(2), SLOT = pages.size(3), VG = D / group, PB = 8 / bits;
+  const int levels = (1 << bits) - 1;
+  const float* vp = value.data_ptr<float>();
+  uint8_t* pp = pages.data_ptr<uint8_t>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  std::vector<uint8_t> out(N * H * (code_bytes + 4 * VG));
+  std::vector<uint8_t> codes(D);
+  const int64_t width = code_bytes + 4 * VG;
+  for (int64_t nh = 0; nh < N * H; ++nh) {
+    const float* x = vp + nh * D;
+    uint8_t* o = out.data() + nh * width;
+    for (int64_t vg = 0; vg < VG; ++vg) {
+      const float* xg = x + vg * group;
+      float low = xg[0], high = xg[0];
+      for (int64_t d = 0; d < group; ++d) {
+        if (!std::isfinite(xg[d])) return false;
+        low = std::min(low, xg[d]), high = std::max(high, xg[d]);
+      }
+      const at::Half scale_h = static_cast<at::Half>((high - low) / static_cast<float>(levels));
+      const at::Half min_h = static_cast<at::Half>(low);
+      const float scale = static_cast<float>(scale_h), minimum = static_cast<float>(min_h);
+      if (!std::isfinite(scale) || !std::isfinite(minimum)) return false;
+      const float step = scale == 0.f ? 1.f : scale;
+      for (int64_t d = 0; d < group; ++d) {
+        const float c = std::nearbyint((xg[d] - minimum) / step);
+        codes[vg * group + d] = static_cast<uint8_t>(std::min(std::max(c, 0.f), static_cast<float>(levels)));
+      }
+      std::memcpy(o + code_bytes + 2 * vg, &scale_h, 2);
+      std::memcpy(o + code_bytes + 2 * (VG + vg), &min_h, 2);
+    }
+    for (int64_t j = 0; j < code_bytes; ++j) {
+      int byte = 0;
+      for (int64_t k = 0; k < PB; ++k) byte |= codes[j * PB + k] << (k * bits);
+      o[j] = static_cast<uint8_t>(byte);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(pp + ((bp[n] * H + h) * BS + op[n]) * SLOT + code_bytes, out.data() + (n * H + h) * width,
+                  width);
+  return true;
 }

@@ -25,13 +25,15 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.attention import attention_with_lse, merge_parts
 
-_NAME = "kvweave_cpu_vllm_quant_v4"
+_NAME = "kvweave_cpu_vllm_quant_v5"
 _SOURCE = source("cpu_vllm_quant.cpp")
 _CPP_DECL = (
     "std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
     "torch::Tensor pages, torch::Tensor table, torch::Tensor cached, torch::Tensor quantized, "
     "torch::Tensor residual, torch::Tensor res_row, int64_t bits, int64_t group, int64_t key_group, "
     "int64_t code_bytes, int64_t value_bytes, double scaling, int64_t item_blocks);"
+    "bool vllm_quant_write_values(torch::Tensor value, torch::Tensor pages, torch::Tensor blocks, "
+    "torch::Tensor offsets, int64_t bits, int64_t group, int64_t code_bytes);"
 )
 
 _reason: str | None = None
@@ -41,7 +43,7 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_quant_decode_rows"])
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_quant_decode_rows", "vllm_quant_write_values"])
     return module
 
 
@@ -101,6 +103,28 @@ def decode_rows(
         int(item_blocks),
     )
     return out, lse
+
+
+def write_values(
+    value: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, layout: Any
+) -> None:
+    """The write hook's values in one call: ``value: [N, H, D]`` quantized per token (``layout.pack_values``,
+    bit for bit) and written into slots ``(blocks, offsets)`` of ``pages: [NB, H, block_size, slot]`` uint8.
+    Raises ``ValueError`` as :func:`kvweave.ops.quantize.quantize` does on NaN/Inf or float16 overflow."""
+    module = load()
+    assert module is not None, unavailable_reason()
+    if not module.vllm_quant_write_values(
+        value.float().contiguous(),
+        pages,
+        blocks.to(torch.int64).contiguous(),
+        offsets.to(torch.int64).contiguous(),
+        layout.bits,
+        layout.group,
+        layout.code_bytes,
+    ):
+        raise ValueError(
+            "quant: keys or values are NaN/Inf or exceed the float16 range; cannot quantize them"
+        )
 
 
 def decode(

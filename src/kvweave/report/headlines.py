@@ -231,6 +231,38 @@ HEADLINES: dict[str, Headline] = {
         if field_short != "running" or short in ("none", "q4")
     },
     **{
+        f"vllm-{short}-{point}-tok-s": Headline(
+            f"docs/data/vllm/{folder}/rows.jsonl",
+            method,
+            "output_tokens_per_s",
+            "{:.2f}",
+            (("concurrency", 32), ("kernel", kernel)),
+            kvweave_spec=False,
+        )
+        for short, method, kernel in (("none", "none", None), ("q4", "quant:bits=4", "auto"))
+        for point, folder in (("c32v4", "load-2k-v4"), ("c32t256", "load-2k-256"))
+    },
+    **{
+        f"vllm-step-{short}-{tokens // 1024}k-r{rows}": Headline(
+            f"docs/data/vllm/{rows_file}.jsonl",
+            method,
+            "ms_per_step",
+            "{:.2f}" if rows == 1 else "{:.1f}",
+            (("path", path), ("tokens", tokens), ("rows", rows)),
+            kvweave_spec=False,
+        )
+        for short, method, path, rows_file in (
+            ("none", "none", "vllm", "decode-step-quant"),  # 9 rounds of 20 steps: vLLM's own and quant
+            ("q4", "quant:bits=4", "fused", "decode-step-quant"),
+            ("q2", "quant:bits=2", "fused", "decode-step-quant"),
+            ("dwnone", "none", "vllm", "decode-step"),  # 5 rounds of 10, with depthweave in the same run
+            ("dw", "depthweave", "factored", "decode-step"),
+        )
+        for tokens in (2048, 4096)
+        for rows in (1, 32)
+        if rows == 32 or not short.startswith("dw")
+    },
+    **{
         f"vllm-{short}-kv-tokens": Headline(
             "docs/data/vllm/depthweave-4k/rows.jsonl",
             method,

@@ -268,7 +268,12 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             self._update_summaries(pages, layout, blocks, offsets)
             return
         code = layout.code_bytes
-        pages[blocks, :, offsets, code : code + layout.value_bytes] = layout.pack_values(value)
+        if self._fused_decode(value.device) and pages.is_contiguous():  # the C++ kernels run: one call
+            from kvweave.kernels import cpu_vllm_quant
+
+            cpu_vllm_quant.write_values(value, pages, blocks, offsets, layout)
+        else:
+            pages[blocks, :, offsets, code : code + layout.value_bytes] = layout.pack_values(value)
         residual = self._key_residual(key, block_size)
         kept = residual.store(blocks, offsets, key)
         self._quantize_finished_groups(pages, layout, residual, blocks[kept], offsets[kept])
@@ -464,22 +469,20 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         from kvweave.kernels import cpu_vllm_quant
 
         heads, block_size = self.num_kv_heads, pages.shape[2]
-        at = torch.tensor([meta.query_start[r] for r in rows])
-        seq_lens = [meta.seq_lens[r] for r in rows]
-        cached = [n - 1 for n in seq_lens]
-        quantized = [n // layout.key_group * layout.key_group for n in seq_lens]  # tokens in finished groups
-        table = meta.block_table[torch.tensor(rows)]
-        res_rows, unfinished = [-1] * len(rows), []  # unfinished: (index, block) whose exact keys wait
-        for i, (n, z) in enumerate(zip(cached, quantized, strict=True)):
-            if z < n:
-                unfinished.append((i, int(table[i, z // block_size])))
+        picked = torch.tensor(rows)
+        at = torch.tensor(meta.query_start[:-1])[picked]
+        seq_lens = torch.tensor(meta.seq_lens)[picked]
+        cached = seq_lens - 1
+        quantized = seq_lens // layout.key_group * layout.key_group  # tokens in finished key groups
+        table = meta.block_table[picked]
+        res_rows = torch.full((len(rows),), -1, dtype=torch.long)
+        unfinished = (quantized < cached).nonzero().flatten()  # rows whose newest key group waits exact
         residual = None
-        if unfinished:
+        if unfinished.numel():
             assert self.residual is not None
-            found = self.residual.rows_of(torch.tensor([block for _, block in unfinished]))
-            residual = self.residual.keys[found]  # [U, H, block_size, D]: only the rows these requests read
-            for u, (i, _) in enumerate(unfinished):
-                res_rows[i] = u
+            blocks = table[unfinished, quantized[unfinished] // block_size]
+            residual = self.residual.keys[self.residual.rows_of(blocks)]  # [U, H, block_size, D]: only these
+            res_rows[unfinished] = torch.arange(unfinished.numel())
         queries = query[at].view(len(rows), heads, self.group_size, -1)
         out, _ = cpu_vllm_quant.decode_rows(
             queries,
@@ -494,7 +497,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             self.scale,
         )
         output[at] = out.reshape(len(rows), self.num_heads, -1).to(output.dtype)
-        held = sum(-(-n // block_size) for n in cached)
+        held = int(((cached + block_size - 1) // block_size).sum())
         _add_stats(blocks_read=held * heads, blocks_held=held * heads, fused_decode_rows=len(rows))
 
     def _stored(
@@ -765,7 +768,7 @@ class KeyResidual:
         skipped = []
         for block, first in zip(*_first_offsets(blocks, offsets), strict=True):
             if first == 0:
-                self.release(torch.tensor([block]))
+                self._release_one(block)
                 self.evicted.discard(block)
                 self.row_of[block] = self._take_row()
             elif block not in self.row_of:
@@ -791,10 +794,13 @@ class KeyResidual:
 
     def release(self, blocks: torch.Tensor) -> None:
         for block in blocks.tolist():
-            row = self.row_of.pop(int(block), None)
-            if row is not None:
-                self.free.append(row)
-                self.last_write.pop(row, None)
+            self._release_one(int(block))
+
+    def _release_one(self, block: int) -> None:
+        row = self.row_of.pop(block, None)
+        if row is not None:
+            self.free.append(row)
+            self.last_write.pop(row, None)
 
     def _take_row(self) -> int:
         if self.free:
