@@ -310,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_count, default=8, help="decode steps per round (default 8)")
     p.add_argument("--rounds", type=_count, default=3, help="interleaved rounds; the median is reported")
     p.add_argument(
+        "--prefill-rounds",
+        type=_count,
+        default=1,
+        help="prefill every method this many times, interleaved with full's; rows give the median and the "
+        "median ratio to full's over the rounds (default 1; use 3+ for a prefill-cost figure)",
+    )
+    p.add_argument(
         "--warmup", type=_non_negative, default=2, help="untimed decode steps per method first (default 2)"
     )
     p.add_argument(

@@ -171,3 +171,39 @@ def test_a_point_whose_bandwidth_moved_is_run_again_and_marked(tiny, monkeypatch
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: next(steady))
     (row,) = bench.run_bench(config, lambda row: None)
     assert row["loaded"] is False and row["reruns"] == 0
+
+
+def test_prefill_rounds_are_interleaved_and_reported_as_medians(tiny, monkeypatch):
+    """--prefill-rounds N: every method prefills N times, full first in each round; prefill_s is the median
+    of its rounds and prefill_vs_full the median of its per-round ratios to full's."""
+    order: list[str] = []
+    seconds = iter([10.0, 13.0, 12.0, 12.0, 11.0, 30.0])  # full, window; full, window; full, window
+    real = bench._prefill
+
+    def timed(model, spec, ids, device, shared=None):
+        trial = real(model, spec, ids, device, shared)
+        if ids.shape[1] > 256:  # the untimed 256-token warm-up is not a round
+            order.append(spec.split(":")[0])
+            trial.prefill_s = next(seconds)
+        return trial
+
+    monkeypatch.setattr(bench, "_prefill", timed)
+    config = bench.BenchConfig(
+        methods=["full", "window:window=8,sinks=2"],
+        contexts=[300],
+        model=None,
+        shape="qwen2.5-0.5b",
+        steps=1,
+        rounds=1,
+        warmup=0,
+        prefill_rounds=3,
+        share_prefill=False,
+    )
+    rows = {r["method"].split(":")[0]: r for r in bench.run_bench(config, lambda row: None)}
+    assert order == ["full", "window"] * 3
+    assert rows["full"]["prefill_round_s"] == [10.0, 12.0, 11.0] and rows["full"]["prefill_s"] == 11.0
+    assert rows["window"]["prefill_round_s"] == [13.0, 12.0, 30.0] and rows["window"]["prefill_s"] == 13.0
+    assert rows["window"]["prefill_vs_full"] == pytest.approx(1.3)  # median of 1.3, 1.0, 2.727
+    assert rows["full"]["prefill_vs_full"] == 1.0
+    with pytest.raises(ValueError, match="--prefill-rounds must be at least 1"):
+        bench.BenchConfig(methods=["full"], contexts=[64], prefill_rounds=0)

@@ -26,6 +26,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         steps=args.steps,
         rounds=args.rounds,
+        prefill_rounds=args.prefill_rounds,
         warmup=args.warmup,
         share_prefill=not args.own_prefill,
     )

@@ -13,7 +13,10 @@ the others (``prefill: "own"`` in their rows) run their own forward pass. Each r
 - ``prefill_s`` and ``overhead_s`` (prefill minus ``full``'s prefill: what compressing costs), after an
   untimed 256-token prefill of every method (kernel builds, allocator warm-up); a replayed method's
   ``prefill_s`` is the shared recording plus its own replay, so ``overhead_s`` is what its replay costs beyond
-  ``full``'s;
+  ``full``'s. ``--prefill-rounds N`` prefills every method N times, interleaved (``full``, then each method,
+  N times): ``prefill_s`` is then the median, ``prefill_round_s`` every round, and ``prefill_vs_full`` the
+  median of the per-round ratios to ``full`` (one prefill of each is no figure: on this kind of machine the
+  same prefill moves by 10-20 % between runs, and the first of a kind is often the slowest);
 - ``kv_bytes`` (tensors held, ``cache.nbytes()``), ``kv_read_bytes`` (what one decode step reads from the
   cache, ``cache.read_bytes()``: fewer than held where a method attends to part of what it holds);
 - ``weight_bytes``, ``bandwidth_gb_s`` (this machine's measured copy bandwidth, the lower of the two
@@ -104,6 +107,7 @@ class BenchConfig:
     dtype: str = "float32"
     steps: int = 8
     rounds: int = 3
+    prefill_rounds: int = 1  # each method's prefill this many times, interleaved; rows report the median
     warmup: int = 2
     share_prefill: bool = True  # one recorded exact prefill per point, replayed into every method that can
     reruns: int = 1  # a loaded point's decode rounds are run again at most this often
@@ -114,9 +118,9 @@ class BenchConfig:
             raise ValueError(f"--shape {self.shape!r} is not known; choose one of {sorted(SHAPES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
-        for name in ("steps", "rounds"):
+        for name in ("steps", "rounds", "prefill_rounds"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError("--context needs positive token counts, e.g. 4k,16k")
         if not self.batches or min(self.batches) < 1:
@@ -224,6 +228,7 @@ class _Trial:
     prefill_s: float
     peak: tuple[int, str]
     rounds: list[float] = dataclasses.field(default_factory=list)
+    prefill_rounds: list[float] = dataclasses.field(default_factory=list)  # every prefill round's seconds
     how: str = "own"  # "own" forward pass or "replayed" from the point's shared recording
 
 
@@ -357,18 +362,34 @@ def run_bench(
                 for spec in specs:  # untimed: the first forward of each method pays one-off costs
                     _prefill(model, spec, ids[:, : min(context, 256)], config.device)
                 shared = SharedRecording(model, ids, config.device) if config.share_prefill else None
-                trials = []
+                trials: list[_Trial] = []
+                seconds: dict[str, list[float]] = {spec: [] for spec in specs}
                 started = time.perf_counter()
-                for index, spec in enumerate(specs):
-                    progress(f"context {context}, batch {batch}: prefill {index + 1}/{len(specs)} {spec}")
-                    trials.append(_prefill(model, spec, ids, config.device, shared))
-                    done = time.perf_counter() - started
-                    recording = shared.seconds if shared is not None else 0.0
-                    left = _prefill_eta(trials, specs[index + 1 :], model, context, recording)
-                    progress(
-                        f"context {context}, batch {batch}: {spec} {trials[-1].how} prefill "
-                        f"{trials[-1].prefill_s:.1f} s (all so far {done:.0f} s, about {left:.0f} s to go)"
-                    )
+                for round_ in range(config.prefill_rounds):  # interleaved: drift hits every method alike
+                    for index, spec in enumerate(specs):
+                        label = f"prefill {index + 1}/{len(specs)} {spec}"
+                        if config.prefill_rounds > 1:
+                            label += f", round {round_ + 1}/{config.prefill_rounds}"
+                        progress(f"context {context}, batch {batch}: {label}")
+                        if round_:
+                            trials[index] = None  # type: ignore[call-overload]  # free the older cache first
+                        trial = _prefill(model, spec, ids, config.device, shared)
+                        if round_:
+                            trials[index] = trial
+                        else:
+                            trials.append(trial)
+                        seconds[spec].append(trial.prefill_s)
+                        done = time.perf_counter() - started
+                        recording = shared.seconds if shared is not None else 0.0
+                        rest = specs[index + 1 :] + specs * (config.prefill_rounds - round_ - 1)
+                        left = _prefill_eta(trials[: index + 1], rest, model, context, recording)
+                        progress(
+                            f"context {context}, batch {batch}: {spec} {trial.how} prefill "
+                            f"{trial.prefill_s:.1f} s (all so far {done:.0f} s, about {left:.0f} s to go)"
+                        )
+                for trial in trials:
+                    trial.prefill_rounds = seconds[trial.spec]
+                    trial.prefill_s = statistics.median(seconds[trial.spec])
                 del shared
                 for trial in trials:  # warm-up steps, not timed
                     _decode(model, trial, config.warmup, config.device)
@@ -456,6 +477,19 @@ def _rows(
                 "bound": round(bound, 4),
                 "of_bound": round(speedup / bound, 4),
                 "prefill_s": round(trial.prefill_s, 3),
+                "prefill_round_s": [round(r, 3) for r in trial.prefill_rounds or [trial.prefill_s]],
+                # median over rounds of this method's prefill / full's in the same round (interleaved pairs)
+                "prefill_vs_full": round(
+                    statistics.median(
+                        r / f
+                        for r, f in zip(
+                            trial.prefill_rounds or [trial.prefill_s],
+                            full.prefill_rounds or [full.prefill_s],
+                            strict=True,
+                        )
+                    ),
+                    4,
+                ),
                 "prefill": trial.how,
                 "kernels": kernels_used(trial.cache),
                 "overhead_s": round(trial.prefill_s - full.prefill_s, 3),
@@ -504,11 +538,11 @@ def format_row(row: dict[str, Any]) -> str:
     return (
         f"{row['method'][:44]:44s} {row['context']:>7} {row['batch']:>3} {row['ms_per_token']:10.1f} "
         f"{row['tok_s']:8.2f} {row['speedup']:7.2f}x {row['bound']:6.2f}x {row['of_bound']:6.0%} "
-        f"{row['kv_bytes'] / 2**20:9.1f} {row['prefill_s']:8.1f}"
+        f"{row['kv_bytes'] / 2**20:9.1f} {row['prefill_s']:8.1f} {row.get('prefill_vs_full', float('nan')):7.2f}x"
     )
 
 
 HEADER = (
     f"{'method':44s} {'context':>7} {'B':>3} {'ms/token':>10} {'tok/s':>8} {'speedup':>8} {'bound':>7} "
-    f"{'of bnd':>6} {'KV MiB':>9} {'prefill':>8}"
+    f"{'of bnd':>6} {'KV MiB':>9} {'prefill':>8} {'vs full':>8}"
 )

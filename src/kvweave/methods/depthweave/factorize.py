@@ -179,10 +179,18 @@ def assemble(
     recon_v: torch.Tensor | None,
     cos_sin: Any,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Exact rows as stored, factorized rows from ``recon_*: [n, G·H·D]`` (``None``: exact), per layer."""
+    """Exact rows as stored, factorized rows from ``recon_*`` (``None``: exact), per layer. ``recon_*`` is
+    ``[n, G·H·D]`` (every chunk token) or ``[n_f, G·H·D]`` (the factorized tokens only, in plan order: what
+    the rank probes build, saving a scatter into a chunk-sized tensor)."""
     factor = plan.index(HI, MID, LO)
     exact = plan.index(EXACT)
     bits = store.method.residual_bits
+    if recon_k is not None and recon_k.shape[0] != factor.numel():
+        recon_k = recon_k[factor]
+    if recon_v is not None and recon_v.shape[0] != factor.numel():
+        recon_v = recon_v[factor]
+    if cos_sin is not None and recon_k is not None:  # gathered once, not once per layer
+        cos_sin = (cos_sin[0][:, factor], cos_sin[1][:, factor])
     keys, values = [], []
     for i, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         # a side that is neither rebuilt nor rounded stays the exact tensor (no copy)
@@ -194,13 +202,12 @@ def assemble(
             v[:, exact] = fake_quantize(v[:, exact], bits, 0)
         columns = slice(i * store.width, (i + 1) * store.width)
         if recon_k is not None and factor.numel():
-            rows = recon_k[factor, columns].view(-1, store.heads, store.dim).transpose(0, 1)  # [H, n_f, D]
+            rows = recon_k[:, columns].reshape(-1, store.heads, store.dim).transpose(0, 1)  # [H, n_f, D]
             if cos_sin is not None:
-                cos, sin = cos_sin
-                rows = apply_rotary(rows.unsqueeze(0), cos[:, factor], sin[:, factor])[0]
+                rows = apply_rotary(rows.unsqueeze(0), *cos_sin)[0]
             k[:, factor] = rows
         if recon_v is not None and factor.numel():
-            v[:, factor] = recon_v[factor, columns].view(-1, store.heads, store.dim).transpose(0, 1)
+            v[:, factor] = recon_v[:, columns].reshape(-1, store.heads, store.dim).transpose(0, 1)
         keys.append(k)
         values.append(v)
     return keys, values
@@ -258,8 +265,7 @@ def choose_ranks(
         width = torch.tensor(widths, device=x.device)[plan.kind[factor].clamp(max=LO)]
         coords = coords * (torch.arange(top, device=x.device) < width.unsqueeze(1))
         r = fake_quantize(basis[:, :top].T.contiguous(), method.coefficient_bits, top)
-        recon = torch.zeros_like(x)
-        recon[factor] = fake_quantize(coords, method.bits, COORD_GROUP) @ r
+        recon = fake_quantize(coords, method.bits, COORD_GROUP) @ r  # [n_f, W]: the factorized rows only
         if side == "k":
             keys, _ = assemble(store, chunk, plan, recon, None, cos_sin)
             return probe.error(keys, exact_values, keep)

@@ -41,9 +41,16 @@ class Probe:
 
     def weights(self, layer: int, keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """``[H, g·p, n]`` attention weights of the probe queries over ``keys`` (tokens not in ``keep`` unseen)."""
-        visible = self.causal if keep is None else self.causal & keep.view(1, -1)
+        visible = self.causal if keep is None else self._visible(keep)
         logits = self.packed[layer] @ keys.transpose(-1, -2) * self.scalings[layer]
         return masked_softmax(logits, visible)
+
+    def _visible(self, keep: torch.Tensor) -> torch.Tensor:
+        """``causal & keep``, computed once per ``keep`` (every layer and every probed rank share it)."""
+        if getattr(self, "_visible_keep", None) is not keep:
+            self._visible_keep = keep
+            self._visible_mask = self.causal & keep.view(1, -1)
+        return self._visible_mask
 
     def exact_key_weights(self, keys: list[torch.Tensor], keep: torch.Tensor) -> list[torch.Tensor]:
         """The weights over the exact keys for ``keep``, computed once: probing value ranks changes only the
