@@ -47,7 +47,7 @@ vllm-test:  ## kvweave's vLLM plugin (tests/vllm) in its own venv .venv-vllm (ab
 	  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_TEST_ARGS); \
 	else echo "vllm-test: skipped (no working .venv-vllm; see the vllm-env line above)"; fi
 
-vllm-test-quick:  ## what CI runs of the vLLM tests: the tiny-model engine tests, not the real-model/HTTP ones (~4 min + install)
+vllm-test-quick:  ## what CI runs of the vLLM tests: the tiny-model engine tests, not the real-model/HTTP ones (~2-3 min + install)
 	@$(MAKE) --no-print-directory vllm-test VLLM_TEST_ARGS='-m "not integration"'
 
 VLLM_BENCH_ARGS ?= --methods none,quant:bits=4,quant:bits=2,pages --concurrency 1,4,16,32 --context 2048

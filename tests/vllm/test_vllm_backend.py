@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,12 @@ DATA = Path(os.environ.get("KVWEAVE_DATA", ROOT.parent / "shared" / "data"))  # 
 TIE = 0.5  # a greedy mismatch is allowed only where vLLM's own top-2 logprobs are this close (see agreement)
 
 
-def bench(*args: str, timeout: float = 1800) -> dict[str, Any]:
+def bench(*args: str, timeout: float = 1800, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one ``vllm_bench.py`` subcommand (its own vLLM process) and return the JSON it wrote."""
     out = Path(args[args.index("--out") + 1])
     env = {
         **os.environ,
+        **(env_extra or {}),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -369,27 +371,63 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def generate(tiny: Path, method: str, out: Path, *extra: str) -> dict[str, Any]:
+def generate(
+    tiny: Path, method: str, out: Path, *extra: str, env_extra: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``vllm_bench.py generate`` on the tiny model in float32 (no bf16 logit ties): its JSON result."""
     return bench(
-        "generate", "--model", str(tiny), "--method", method, "--dtype", "float32", *extra, "--out", str(out)
+        "generate",
+        "--model",
+        str(tiny),
+        "--method",
+        method,
+        "--dtype",
+        "float32",
+        *extra,
+        "--out",
+        str(out),
+        env_extra=env_extra,
     )
+
+
+JOBS = int(os.environ.get("KVWEAVE_VLLM_TEST_JOBS", "2"))
+"""Tiny-model engines run this many at a time, each in its own process with ``OMP_NUM_THREADS`` threads (1 by
+default under ``make vllm-test``): on CI's two cores, two one-thread engines at once halve the fixture's wall time."""
+
+
+FULL_RANK_WEAVE = "depthweave:bits=8,rank_k=128,rank_v=128"
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """float32 (no bf16 logit ties): vLLM's backend, pages (exact storage), quant at 8 and 4 bits."""
+    """float32 (no bf16 logit ties): vLLM's backend, pages (exact storage), quant at 8 and 4 bits, DepthWeave
+    (default and at full rank). Every engine runs with prefix caching on and its ~400-token prompts sent twice
+    (the second pass reads the first pass's full blocks), so one engine start serves both the token tests and
+    the prefix-caching tests: one process per method, the cost of CI's quick target."""
     out = tmp_path_factory.mktemp("tiny-runs")
-    runs = {}
-    for method in ("none", "pages", "quant:bits=8", "quant:bits=4", "quant:bits=4 torch", "depthweave"):
-        name = method.replace(":", "-").replace("=", "").replace(" ", "-")
-        os.environ[ENV_KERNEL] = "torch" if method.endswith(" torch") else "auto"
-        method = method.removesuffix(" torch")
-        runs[method if os.environ[ENV_KERNEL] == "auto" else f"{method} torch"] = generate(
-            tiny, method, out / f"{name}.json"
+    methods = (
+        "none",
+        "pages",
+        "quant:bits=8",
+        "quant:bits=4",
+        "quant:bits=4 torch",
+        "depthweave",
+        FULL_RANK_WEAVE,
+    )
+
+    def run(method: str) -> dict[str, Any]:
+        name = method.replace(":", "-").replace("=", "").replace(" ", "-").replace(",", "-")
+        kernel = "torch" if method.endswith(" torch") else "auto"
+        return generate(
+            tiny,
+            method.removesuffix(" torch"),
+            out / f"{name}.json",
+            "--prefix-caching",
+            env_extra={ENV_KERNEL: kernel},
         )
-    os.environ.pop(ENV_KERNEL, None)
-    return runs
+
+    with ThreadPoolExecutor(max_workers=max(1, JOBS)) as pool:
+        return dict(zip(methods, pool.map(run, methods), strict=True))
 
 
 def test_tiny_exact_storage_matches_vllm_tokens(tiny_runs: dict[str, dict[str, Any]]) -> None:
@@ -430,38 +468,22 @@ def test_tiny_depthweave_capacity_is_its_slot_bytes(tiny_runs: dict[str, dict[st
     assert run["stats"]["weave_bases"] > 0 and run["stats"]["weave_side_bytes"] > 0
 
 
-FULL_RANK_WEAVE = "depthweave:bits=8,rank_k=128,rank_v=128"
-
-
-@pytest.fixture(scope="module")
-def prefix_runs(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """~400-token prompts sent twice with prefix caching on, float32: the second pass reuses the first pass's
-    full blocks. ``pages`` stores exact K/V (its tokens are vLLM's own, test above)."""
-    out = tmp_path_factory.mktemp("prefix-runs")
-    return {
-        method: generate(tiny, method, out / f"{method.split(':')[0]}-{len(method)}.json", "--prefix-caching")
-        for method in ("pages", "quant:bits=8", FULL_RANK_WEAVE)
-    }
-
-
 @pytest.mark.parametrize("method", ["quant:bits=8", "pages", FULL_RANK_WEAVE])
-def test_tiny_prefix_caching_gives_the_same_tokens(
-    prefix_runs: dict[str, dict[str, Any]], method: str
-) -> None:
+def test_tiny_prefix_caching_gives_the_same_tokens(tiny_runs: dict[str, dict[str, Any]], method: str) -> None:
     """The second pass (vLLM reports the cached tokens) gives the first pass's greedy tokens."""
-    run = prefix_runs[method]
+    run = tiny_runs[method]
     half = len(run["tokens"]) // 2
     assert all(cached >= 128 for cached in run["cached_tokens"][half:]), run["cached_tokens"]
     assert run["tokens"][half:] == run["tokens"][:half]
 
 
-def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(prefix_runs: dict[str, dict[str, Any]]) -> None:
+def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(tiny_runs: dict[str, dict[str, Any]]) -> None:
     """At full rank and 8 bits, blocks rebuilt from coordinates and rotated back to their positions (and
     prefix-cached blocks read with the basis of the request that wrote them) give the greedy tokens of exact
     storage except at near ties."""
-    result = agreement(prefix_runs["pages"], prefix_runs[FULL_RANK_WEAVE], TIE)
+    result = agreement(tiny_runs["pages"], tiny_runs[FULL_RANK_WEAVE], TIE)
     assert result["confident_mismatches"] == 0, result
-    assert prefix_runs[FULL_RANK_WEAVE]["stats"]["weave_bases"] > 0
+    assert tiny_runs[FULL_RANK_WEAVE]["stats"]["weave_bases"] > 0
 
 
 # ------------------------------------------------------------------------------ qwen2.5-coder-0.5b
