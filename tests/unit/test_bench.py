@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from kvweave.cli import main
@@ -207,3 +208,9 @@ def test_prefill_rounds_are_interleaved_and_reported_as_medians(tiny, monkeypatc
     assert rows["full"]["prefill_vs_full"] == 1.0
     with pytest.raises(ValueError, match="--prefill-rounds must be at least 1"):
         bench.BenchConfig(methods=["full"], contexts=[64], prefill_rounds=0)
+
+
+def test_prefill_eta_counts_every_prefill_as_whole_without_a_shared_recording():
+    """--own-prefill: the methods left each take what a whole prefill took, full's included (it was 0 s)."""
+    done = [bench._Trial("full", None, torch.zeros(1), 80.0, (0, ""), how="own")]
+    assert bench._prefill_eta(done, ["depthweave", "full"], None, 8192, 0.0, sharing=False) == 160.0

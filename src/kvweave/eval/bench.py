@@ -382,7 +382,9 @@ def run_bench(
                         done = time.perf_counter() - started
                         recording = shared.seconds if shared is not None else 0.0
                         rest = specs[index + 1 :] + specs * (config.prefill_rounds - round_ - 1)
-                        left = _prefill_eta(trials[: index + 1], rest, model, context, recording)
+                        left = _prefill_eta(
+                            trials[: index + 1], rest, model, context, recording, shared is not None
+                        )
                         progress(
                             f"context {context}, batch {batch}: {spec} {trial.how} prefill "
                             f"{trial.prefill_s:.1f} s (all so far {done:.0f} s, about {left:.0f} s to go)"
@@ -420,18 +422,25 @@ def run_bench(
 
 
 def _prefill_eta(
-    done: Sequence[_Trial], rest: Sequence[str], model: Any, context: int, recording: float
+    done: Sequence[_Trial],
+    rest: Sequence[str],
+    model: Any,
+    context: int,
+    recording: float,
+    sharing: bool = True,
 ) -> float:
     """Seconds the remaining prefills should take: a replay what the compressing replays so far cost beyond the
     shared ``recording`` (a third of the recording before any, ``full``'s replay being no guide), an own
-    prefill what a whole prefill did (the recording, or the slowest own one)."""
+    prefill what a whole prefill did (the recording, or the slowest own one). Without ``sharing``
+    (``--own-prefill``) every prefill is an own one."""
     from kvweave.registry import parse_method
 
     replays = [t.prefill_s - recording for t in done if t.how == "replayed" and t.spec != "full"]
     whole = max([recording] + [t.prefill_s for t in done if t.how == "own"])
     replay = statistics.median(replays) if replays else recording / 3
     return sum(
-        replay if parse_method(spec).replays_prefill(model.config, context) else whole for spec in rest
+        replay if sharing and parse_method(spec).replays_prefill(model.config, context) else whole
+        for spec in rest
     )
 
 
