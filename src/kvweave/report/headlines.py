@@ -287,6 +287,23 @@ HEADLINES: dict[str, Headline] = {
         for task_short, task in (("pk", "passkey"), ("mk", "niah_multikey"), ("mq", "niah_multiquery"))
         if (short, task_short) != ("none", "pk")  # vLLM's own cache was not run on passkey here
     },
+    **{
+        f"code4k-{short}": Headline(
+            "docs/data/runs/dw-code-4k-v4/rows.jsonl",
+            method,
+            "score",
+            "{:.0f} %",
+            (("task", "code"), ("context", 4096)),
+            summary="mean",
+            scale=100,
+        )
+        for short, method in (
+            ("full", "full"),
+            ("dw", "depthweave"),
+            ("dw16", "depthweave:compression=16.0"),
+            ("xkv", "xkv"),
+        )
+    },
 }
 """Every headline figure of the README and the findings, by the name its span carries."""
 
