@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from kvweave.cli_args import _split
+
 PATHS = {"none": ("vllm",), "depthweave": ("factored", "rebuild"), "quant": ("fused", "torch")}
 
 
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lengths = _ints(parser, "--tokens", args.tokens, 2)
     row_counts = _ints(parser, "--rows", args.rows, 1)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = _split(args.methods)  # "name:k=v,k=v" stays one spec
     for method in methods:
         if method.split(":")[0] not in PATHS:
             parser.error(f"--methods: {method!r} is not timed here; choose among {', '.join(PATHS)}")

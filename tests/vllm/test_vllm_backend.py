@@ -644,3 +644,43 @@ def test_quant_decode_rows_of_one_step_match_the_torch_path_row_by_row(
         impl.pin_decode("cpu", fused=fused, factored=True)
         outs[fused] = impl.forward(None, query, key, value, cache, meta, torch.empty(3, 4, 64))
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_step_benchmark_writes_a_row_per_path_close_to_vllms_attention(tmp_path: Path) -> None:
+    """``benchmarks/vllm_decode_op.py`` at a small point (no engine): a row for every (method, path), each
+    output close to vLLM's own exact attention over the same keys and values, and the paths of one method
+    agreeing with each other. Keeps the benchmark behind docs/vllm.md's decode-step figures runnable."""
+    out = tmp_path / "step.jsonl"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vllm_decode_op.py"),
+            "--methods",
+            "none,quant:bits=8,depthweave:bits=8,rank_k=128,rank_v=128",
+            "--tokens",
+            "300",
+            "--rows",
+            "3",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--chunk",
+            "256",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    paths = {(r["method"].split(":")[0], r["path"]) for r in rows}
+    assert paths == {("none", "vllm"), ("quant", "fused"), ("quant", "torch"), ("depthweave", "factored"),
+                     ("depthweave", "rebuild")}  # fmt: skip
+    for row in rows:
+        assert row["tokens"] == 300 and row["rows"] == 3 and row["ms_per_step"] > 0
+        assert row["difference_from_exact"] < 0.05, row
+        assert row["difference_from_reference_path"] < 1e-3, row
