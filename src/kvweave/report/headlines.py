@@ -288,6 +288,16 @@ HEADLINES: dict[str, Headline] = {
         if (short, task_short) != ("none", "pk")  # vLLM's own cache was not run on passkey here
     },
     **{
+        f"dw-prefill-{context // 1024}k": Headline(
+            "docs/data/bench/bench-prefill-v5.jsonl",
+            "depthweave",
+            "prefill_vs_full",
+            "{:.2f}x",
+            (("context", context),),
+        )
+        for context in (8192, 16384)
+    },
+    **{
         f"code4k-{short}": Headline(
             "docs/data/runs/dw-code-4k-v4/rows.jsonl",
             method,
