@@ -385,3 +385,17 @@ def test_peak_memory_is_per_trial_process_peak_on_linux() -> None:
     loud = peak.read()
     assert loud is not None and loud - quiet >= 200 * 2**20
     del during
+
+
+def test_feed_generated_reports_progress_every_so_many_tokens_and_at_the_end(monkeypatch):
+    """A --generated trial feeds thousands of decode steps: the bar hears how far it is."""
+    import kvweave
+    from conftest import tiny_model
+
+    monkeypatch.setattr(runner, "GENERATED_EVERY", 4)
+    model = tiny_model("llama")
+    cache = kvweave.make_cache("full", model)
+    seen: list[tuple[int, int]] = []
+    runner.feed_generated(model, cache, list(range(3, 13)), 0, lambda done, total: seen.append((done, total)))
+    assert seen == [(4, 10), (8, 10), (10, 10)]
+    assert cache.get_seq_length() == 10

@@ -191,9 +191,20 @@ def generated_filler(tokenizer: Any, tokens: int, seed: int) -> list[int]:
     return ids[start : start + tokens]
 
 
-def feed_generated(model: Any, cache: Any, filler: list[int], first: int) -> float:
+GENERATED_EVERY = 256
+"""A long-generation trial reports its progress every this many fed tokens (:func:`feed_generated`)."""
+
+
+def feed_generated(
+    model: Any,
+    cache: Any,
+    filler: list[int],
+    first: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> float:
     """Teacher-force ``filler`` through ``cache`` one token per forward pass (decode steps, not a prefill);
-    returns the seconds it took. ``first`` is the position of the first filler token."""
+    returns the seconds it took. ``first`` is the position of the first filler token; ``progress(done,
+    total)`` is called every :data:`GENERATED_EVERY` tokens and at the end (a 4K-token trial takes minutes)."""
     kw = cache_kwarg(model)
     start = time.perf_counter()
     device = next(model.parameters()).device
@@ -203,6 +214,8 @@ def feed_generated(model: Any, cache: Any, filler: list[int], first: int) -> flo
             model(
                 torch.tensor([[token]], device=device), position_ids=position, use_cache=True, **{kw: cache}
             )
+            if progress is not None and ((index + 1) % GENERATED_EVERY == 0 or index + 1 == len(filler)):
+                progress(index + 1, len(filler))
     return time.perf_counter() - start
 
 
@@ -326,8 +339,9 @@ def run_trial(
     trial: Trial,
     sample: task_lib.Sample,
     shared: SharedPrefill | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Prefill, compress, answer; one result row."""
+    """Prefill, compress, answer; one result row. ``progress``: see :func:`feed_generated` (``--generated``)."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
@@ -347,7 +361,7 @@ def run_trial(
         prefill_s = time.perf_counter() - start
     # the whole cache: under tensor parallelism summed over the ranks
     held_after_prefill = summed_nbytes(cache)
-    generated_s = feed_generated(model, cache, filler, len(prefill_ids)) if filler else 0.0
+    generated_s = feed_generated(model, cache, filler, len(prefill_ids), progress) if filler else 0.0
 
     spec = task_lib.TASKS[trial.task]
     max_new = config.max_new_tokens or spec.max_new_tokens
@@ -546,7 +560,14 @@ def run(
                 haystack=config.haystack_for(trial.task),
                 data_dir=config.data_dir,
             )
-        row = run_trial(model, tokenizer, config, trial, samples[sample_key], shared)
+        label = f"{trial.method} {trial.task} {trial.context}"
+
+        def fed(done: int, total: int, label: str = label) -> None:
+            bar.set_postfix_str(f"{label}, generated {done}/{total}")
+
+        row = run_trial(
+            model, tokenizer, config, trial, samples[sample_key], shared, fed if trial.generated else None
+        )
         rows.append(row)
         if rows_path is not None and writer:
             with rows_path.open("a") as handle:
