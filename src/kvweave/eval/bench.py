@@ -362,8 +362,7 @@ def run_bench(
                 for spec in specs:  # untimed: the first forward of each method pays one-off costs
                     _prefill(model, spec, ids[:, : min(context, 256)], config.device)
                 shared = SharedRecording(model, ids, config.device) if config.share_prefill else None
-                trials: list[_Trial] = []
-                seconds: dict[str, list[float]] = {spec: [] for spec in specs}
+                slots: list[_Trial | None] = [None] * len(specs)
                 started = time.perf_counter()
                 for round_ in range(config.prefill_rounds):  # interleaved: drift hits every method alike
                     for index, spec in enumerate(specs):
@@ -371,27 +370,24 @@ def run_bench(
                         if config.prefill_rounds > 1:
                             label += f", round {round_ + 1}/{config.prefill_rounds}"
                         progress(f"context {context}, batch {batch}: {label}")
-                        if round_:
-                            trials[index] = None  # type: ignore[call-overload]  # free the older cache first
+                        earlier = slots[index]
+                        rounds = earlier.prefill_rounds if earlier is not None else []
+                        slots[index] = earlier = None  # free the older cache before the next prefill
                         trial = _prefill(model, spec, ids, config.device, shared)
-                        if round_:
-                            trials[index] = trial
-                        else:
-                            trials.append(trial)
-                        seconds[spec].append(trial.prefill_s)
+                        trial.prefill_rounds = [*rounds, trial.prefill_s]
+                        slots[index] = trial
                         done = time.perf_counter() - started
                         recording = shared.seconds if shared is not None else 0.0
                         rest = specs[index + 1 :] + specs * (config.prefill_rounds - round_ - 1)
-                        left = _prefill_eta(
-                            trials[: index + 1], rest, model, context, recording, shared is not None
-                        )
+                        so_far = [t for t in slots[: index + 1] if t is not None]
+                        left = _prefill_eta(so_far, rest, model, context, recording, shared is not None)
                         progress(
                             f"context {context}, batch {batch}: {spec} {trial.how} prefill "
                             f"{trial.prefill_s:.1f} s (all so far {done:.0f} s, about {left:.0f} s to go)"
                         )
+                trials = [t for t in slots if t is not None]
                 for trial in trials:
-                    trial.prefill_rounds = seconds[trial.spec]
-                    trial.prefill_s = statistics.median(seconds[trial.spec])
+                    trial.prefill_s = statistics.median(trial.prefill_rounds)
                 del shared
                 for trial in trials:  # warm-up steps, not timed
                     _decode(model, trial, config.warmup, config.device)
