@@ -14,6 +14,7 @@ from conftest import tiny_model
 from kvweave._compat import cache_kwarg
 from kvweave.methods.dkcache import (
     DKCache,
+    attention_probs,
     decouple_keys,
     default_bounds,
     far_device,
@@ -641,3 +642,26 @@ def test_a_step_reads_less_than_the_cache_holds_when_far_pages_stay_out(model, b
     assert layer.far is not None and layer.far.page_count() > 1
     assert 0 < layer.read_bytes() < layer.nbytes()
     assert cache.read_bytes() < cache.nbytes()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_probs_entropy_matches_xlogy_with_and_without_a_mask(masked: bool) -> None:
+    # the decode step's entropy (-sum p log p of the last query, normalised by log of what it sees) and its
+    # probabilities against a plain masked softmax and xlogy, with every entry visible (the unmasked shortcut)
+    # and with hidden entries, one query of row 1 seeing nothing
+    torch.manual_seed(0)
+    scores = torch.randn(2, 2, 3, 4, 40) * 4
+    visible = torch.ones(2, 2, 4, 40, dtype=torch.bool)
+    if masked:
+        visible[0, :, :, :7] = False
+        visible[1, 1, -1] = False
+    probs, entropy = attention_probs(scores, visible, 0.5)
+    seen = visible.unsqueeze(2)
+    expected = (scores * 0.5).masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+    torch.testing.assert_close(probs, expected)
+    last = expected[:, :, :, -1, :]
+    count = seen[:, :, :, -1, :].sum(-1).expand_as(last[..., 0]).float()
+    raw = -torch.special.xlogy(last, last).sum(-1)
+    normalised = torch.where(count > 1, raw / count.clamp(min=2).log(), torch.zeros_like(raw))
+    torch.testing.assert_close(entropy, normalised.flatten(1).mean(1))
+    assert bool((entropy > 0).all())

@@ -67,9 +67,13 @@ def attention_probs(
     """Softmax of ``scores: [B, H, groups, n, T]`` (unscaled logits) over the ``visible: [B, H or 1, n, T]``
     entries, and ``[B]``: the last query's attention entropy / log(entries it sees), mean over heads."""
     seen = visible.unsqueeze(2)
-    probs = masked_softmax(scores.float().mul(scaling), seen)  # a query that sees nothing (padding): zeros
+    # a decode step without padding sees every entry: no mask to apply (checked on the CPU only, where it is free)
+    everything = seen.device.type == "cpu" and bool(seen.all())
+    # a query that sees nothing (padding): zeros
+    probs = masked_softmax(scores.float().mul(scaling), None if everything else seen)
     last = probs[:, :, :, -1, :]
-    entropy = -torch.special.xlogy(last, last).sum(-1)
+    # -sum p log p, with p = 0 giving 0 · log(tiny) = 0 as in xlogy (which is 4x slower on the CPU)
+    entropy = -(last * last.clamp(min=torch.finfo(last.dtype).tiny).log()).sum(-1)
     count = seen[:, :, :, -1, :].sum(-1).expand_as(entropy).float()
     normalised = torch.where(count > 1, entropy / count.clamp(min=2).log(), torch.zeros_like(entropy))
     return probs, normalised.flatten(1).mean(1)
