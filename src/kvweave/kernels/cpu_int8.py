@@ -1,8 +1,10 @@
-"""Fused CPU kernel for attention over INT8 rows with one float32 scale per token (DK-Cache's steady and far
-tiers, :func:`kvweave.ops.quantize.quantize_int8`): score and weight the values straight from the int8 codes,
-without writing a dequantized tensor, so a step reads a quarter of the bytes of a float32 tier.
+"""Fused CPU kernel for attention over held rows: INT8 rows with one float32 scale per token (DK-Cache's steady
+and far tiers, :func:`kvweave.ops.quantize.quantize_int8`) or 16-bit rows (bfloat16 / float16: its exact core
+at 16-bit storage). Scores and weights the values straight from the codes or 16-bit rows, without writing a
+dequantized or widened float32 copy, so a step reads a quarter (INT8) or half (16-bit) of the bytes of a
+float32 tier and pays no conversion pass.
 
-:class:`Int8Rows` is what attention code holds: ``logits`` and ``weighted`` run the C++ kernel on the CPU when
+:class:`HeldRows` is what attention code holds: ``logits`` and ``weighted`` run the C++ kernel on the CPU when
 it builds (``torch.utils.cpp_extension``, once per machine, like :mod:`kvweave.kernels.cpu_quant`) and the torch
 reference (dequantize, matmul) otherwise or on other devices; ``kernel_used`` says which ran. Tested against the
 reference in ``tests/methods/test_int8_kernel.py``.
@@ -18,7 +20,7 @@ import torch
 
 from kvweave.kernels._build import build, source
 
-_NAME = "kvweave_cpu_int8_v3"
+_NAME = "kvweave_cpu_int8_v4"
 
 _SOURCE = source("cpu_int8.cpp")
 
@@ -43,23 +45,37 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def logits_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``query: [B, H, R, D]`` float, ``codes: [B, H, T, D]`` int8, ``scale: [B, H, T, 1]`` -> ``[B, H, R, T]``."""
-    return query.float() @ (codes.float() * scale.float()).transpose(-1, -2)
+SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+"""16-bit row dtypes the kernel reads without a scale."""
 
 
-def values_reference(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _rows(codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return codes.float() if scale is None else codes.float() * scale.float()
+
+
+def logits_reference(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``query: [B, H, R, D]`` float, ``codes: [B, H, T, D]`` int8 with ``scale: [B, H, T, 1]`` (or 16-bit rows
+    with ``None``) -> ``[B, H, R, T]``."""
+    return query.float() @ _rows(codes, scale).transpose(-1, -2)
+
+
+def values_reference(weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``weights: [B, H, R, T]`` -> ``[B, H, R, D]``: ``weights @ (codes · scale)``."""
-    return weights.float() @ (codes.float() * scale.float())
+    return weights.float() @ _rows(codes, scale)
 
 
 @dataclasses.dataclass
-class Int8Rows:
-    """INT8 rows ``codes: [B, H, T, D]`` with ``scale: [B, H, T, 1]`` float32, attended without dequantizing."""
+class HeldRows:
+    """Rows ``codes: [B, H, T, D]`` attended without a dequantized copy: int8 with ``scale: [B, H, T, 1]``
+    float32, or bfloat16 / float16 with ``scale=None``."""
 
     codes: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor | None
     use_kernel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scale is None and self.codes.dtype not in SIXTEEN_BITS:
+            raise ValueError(f"HeldRows: {self.codes.dtype} rows need a scale (only 16-bit rows go without)")
 
     @property
     def shape(self) -> torch.Size:
@@ -81,11 +97,15 @@ class Int8Rows:
             return logits_reference(query, self.codes, self.scale)
         b, h = self.codes.shape[:2]
         query = query.float().expand(b, h, -1, -1).contiguous()
-        return module.int8_logits(query, self.codes, self.scale[..., 0])
+        return module.int8_logits(query, self.codes, self._kernel_scale())
 
     def weighted(self, weights: torch.Tensor) -> torch.Tensor:
         """``weights: [B, H, R, T]`` -> ``[B, H, R, D]`` float32."""
         module = self._kernel()
         if module is None:
             return values_reference(weights, self.codes, self.scale)
-        return module.int8_values(weights.float().contiguous(), self.codes, self.scale[..., 0])
+        return module.int8_values(weights.float().contiguous(), self.codes, self._kernel_scale())
+
+    def _kernel_scale(self) -> torch.Tensor:
+        """``[B, H, T]`` scales, or an empty tensor for 16-bit rows (the kernel then scales by 1)."""
+        return self.scale[..., 0] if self.scale is not None else self.codes.new_empty(0, dtype=torch.float32)

@@ -10,7 +10,7 @@ import torch
 from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, StepPositions
 from kvweave.kernels import cpu_int8
-from kvweave.kernels.cpu_int8 import Int8Rows
+from kvweave.kernels.cpu_int8 import HeldRows
 from kvweave.kernels.registry import choose
 from kvweave.methods.dkcache.attention import (
     CHUNK_ELEMENTS,
@@ -384,7 +384,7 @@ class DKCacheLayer(LayerStatsMixin, CompressedLayer):
             q_len,
             self.rows,
         )
-        return self._attend_parts(parts, query.shape, attention_mask, scaling, first, q_len)
+        return self._attend_parts(parts, query, attention_mask, scaling, first, q_len)
 
     def _exact_attention(
         self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, first: int, q_len: int
@@ -400,7 +400,10 @@ class DKCacheLayer(LayerStatsMixin, CompressedLayer):
         ] = []
         if self.far is not None:  # keys, values, slots, validity, bias
             parts += [(p[0], p[1], p[3], ok, None) for p, ok in self._far_parts(query, dtype, False)]
-        kernel = self.method.kernel in ("auto", "cpp")  # the C++ INT8 kernel may run (CPU only)
+        kernel = self.method.kernel in (
+            "auto",
+            "cpp",
+        )  # the C++ kernel may read the INT8 and 16-bit tiers (CPU only)
         if self.method.kernel == "cpp" and cpu_int8.load() is None:
             raise RuntimeError(
                 f"dkcache: kernel=cpp, but the C++ INT8 kernel is not available: "
@@ -423,21 +426,21 @@ class DKCacheLayer(LayerStatsMixin, CompressedLayer):
         q = query.reshape(b, h, hq // h * n, d)
         scored: list[ScoredPart] = []
         for keys, values, slots, ok, bias in parts:
-            logits = keys.logits(q) if isinstance(keys, Int8Rows) else q @ keys.to(q.dtype).transpose(-1, -2)
+            logits = keys.logits(q) if isinstance(keys, HeldRows) else q @ keys.to(q.dtype).transpose(-1, -2)
             scored.append((logits if bias is None else logits + bias, values, slots, ok))
-        return self._attend_parts(scored, query.shape, attention_mask, scaling, first, q_len)
+        return self._attend_parts(scored, query, attention_mask, scaling, first, q_len)
 
     def _attend_parts(
         self,
         parts: list[ScoredPart],
-        shape: torch.Size,
+        query: torch.Tensor,
         attention_mask: torch.Tensor | None,
         scaling: float,
         first: int,
         q_len: int,
     ) -> torch.Tensor:
         out, self.last_entropy, self.last_attended = attend_parts(
-            parts, shape, attention_mask, scaling, first, q_len
+            parts, query.shape, attention_mask, scaling, first, q_len, query.dtype
         )
         self.decode_steps += 1
         return out

@@ -196,16 +196,26 @@ class Tier(Stateful):
         )
 
     def read_rows(self, dtype: torch.dtype, kernel: bool) -> tuple[Any, Any, torch.Tensor]:
-        """Like :meth:`read`, but an INT8 tier gives its codes as :class:`~kvweave.kernels.cpu_int8.Int8Rows`
-        (attended without dequantizing; ``kernel``: may use the C++ kernel)."""
-        if not self.quantized:
-            return self.read(dtype)
-        from kvweave.kernels.cpu_int8 import Int8Rows
+        """Like :meth:`read`, but rows the CPU kernel reads in place come as
+        :class:`~kvweave.kernels.cpu_int8.HeldRows` (attended without a dequantized or widened copy; ``kernel``:
+        may use the C++ kernel): an INT8 tier's codes, and with ``kernel`` a 16-bit exact tier attended in
+        float32 (the core at 16-bit storage, which would otherwise be widened every step)."""
+        from kvweave.kernels.cpu_int8 import SIXTEEN_BITS, HeldRows
 
+        if not self.quantized:
+            keys = self.parts["keys"]
+            sixteen = keys.data is not None and keys.data.dtype in SIXTEEN_BITS and dtype == torch.float32
+            if not (kernel and sixteen and keys.data.device.type == "cpu"):
+                return self.read(dtype)
+            return (
+                HeldRows(keys.view(), None, kernel),
+                HeldRows(self.parts["values"].view(), None, kernel),
+                self.positions.view().to(torch.int64),
+            )
         view = {name: part.view() for name, part in self.parts.items()}
         return (
-            Int8Rows(view["keys"], view["key_scales"], kernel),
-            Int8Rows(view["values"], view["value_scales"], kernel),
+            HeldRows(view["keys"], view["key_scales"], kernel),
+            HeldRows(view["values"], view["value_scales"], kernel),
             self.positions.view().to(torch.int64),
         )
 
