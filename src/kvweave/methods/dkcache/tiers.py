@@ -203,9 +203,9 @@ class Tier(Stateful):
         from kvweave.kernels.cpu_int8 import SIXTEEN_BITS, HeldRows
 
         if not self.quantized:
-            keys = self.parts["keys"]
-            sixteen = keys.data is not None and keys.data.dtype in SIXTEEN_BITS and dtype == torch.float32
-            if not (kernel and sixteen and keys.data.device.type == "cpu"):
+            keys, held = self.parts["keys"], self.parts["keys"].data
+            in_place = held is not None and held.dtype in SIXTEEN_BITS and held.device.type == "cpu"
+            if not (kernel and in_place and dtype == torch.float32):
                 return self.read(dtype)
             return (
                 HeldRows(keys.view(), None, kernel),
