@@ -64,3 +64,15 @@ def test_a_span_is_rewritten_and_unknown_or_empty_ones_refused(tmp_path):
     empty = {"q": Headline("rows.jsonl", "quant", "compression", "{:.1f}x", (("task", "b"),))}
     with pytest.raises(ValueError, match="no rows"):
         render("<!-- fig:q -->1<!-- /fig -->", tmp_path, empty)
+
+
+def test_a_figure_over_several_runs_reads_every_file_and_refuses_a_missing_one(tmp_path):
+    # the runs of one point, each in its own rows file: the range covers all of them
+    for name, speedup in (("a.jsonl", 1.27), ("b.jsonl", 1.07)):
+        (tmp_path / name).write_text(
+            json.dumps({"method": "depthweave", "spec_version": 4, "speedup": speedup})
+        )
+    runs = Headline(("a.jsonl", "b.jsonl"), "depthweave", "speedup", "{:.2f}x", summary="range")
+    assert runs.value(tmp_path) == "1.07–1.27x"
+    with pytest.raises(FileNotFoundError, match="c.jsonl"):
+        Headline(("a.jsonl", "c.jsonl"), "depthweave", "speedup", "{:.2f}x").value(tmp_path)
