@@ -22,7 +22,10 @@ and each DepthWeave spec, this script
    - ``kept_mass_P/T`` / ``needle_picked_P/T``: for those answer queries, the share of the exact attention
      mass over the factorized tokens that lies in the pages selective decode would pick with ``page=P`` and
      ``decode_tokens=T`` (``T / P`` pages per KV head by the page bound of ``q·k`` over the stored keys, pages
-     in slot order), and the share of needle tokens picked; mean over layers, heads and answer tokens.
+     in slot order), and the share of needle tokens picked; mean over layers, heads and answer tokens. At the
+     default (64/512) also with ``page_choice=fair`` and ``mass`` (suffixes ``_fair``, ``_mass``), and
+     ``pages_picked_*``: the pages each rule took per KV head and query (``mass`` takes up to twice the
+     budget's).
 
 Not a test: a diagnosis tool; its output is summarised in docs/findings.md with the command that made it.
 Example::
@@ -48,6 +51,7 @@ from kvweave.eval.prefill import LayerStep, record_prefill
 from kvweave.eval.runner import build_prompt
 from kvweave.methods.depthweave import DensePart, DepthWeaveLayer, FactorPart
 from kvweave.methods.depthweave.chunk import EXACT, HI, LO, MID
+from kvweave.methods.depthweave.select import choose_pages
 
 
 def token_offsets(tokenizer: Any, ids: list[int]) -> tuple[str, list[int]]:
@@ -108,6 +112,8 @@ def stored_kv(layer: DepthWeaveLayer, n: int) -> tuple[torch.Tensor, torch.Tenso
     return keys, values, kind
 
 
+RULES = ("max", "fair", "mass")
+"""DepthWeave's ``page_choice`` rules compared at the default page and budget."""
 SELECTIONS = ((64, 512), (64, 1024), (64, 2048), (32, 512), (32, 1024), (16, 512), (16, 1024))
 """(page, decode_tokens) settings of selective decode whose page choice is scored."""
 
@@ -136,12 +142,14 @@ def page_recall(
     page: int,
     budget: int,
     scaling: float,
-) -> tuple[float, float]:
+    rule: str = "max",
+) -> tuple[float, float, float]:
     """Selective decode's page choice for the answer's queries ``[Hq, a, D]`` over the compressed tokens:
-    pages of ``page`` stored keys (``stored: [H, c, D]``, in slot order), the top ``budget / page`` per KV head
-    by the upper bound of ``q·k`` (max over the head's query heads). Returns the fraction of the exact attention
-    mass over the compressed tokens inside the picked pages, and the fraction of needle tokens (``needle``:
-    boolean ``[c]``) picked, each a mean over queries and heads."""
+    pages of ``page`` stored keys (``stored: [H, c, D]``, in slot order), ``budget / page`` per KV head by the
+    upper bound of ``q·k`` under ``rule`` (DepthWeave's ``page_choice``: ``max``, ``fair`` or ``mass``, which
+    may take up to twice as many). Returns the fraction of the exact attention mass over the compressed tokens
+    inside the picked pages, the fraction of needle tokens (``needle``: boolean ``[c]``) picked, each a mean
+    over queries and heads, and the pages picked per KV head and query."""
     hq, a, d = queries.shape
     h, c, _ = stored.shape
     pages = -(-c // page)
@@ -150,15 +158,19 @@ def page_recall(
     kp = padded.view(h, pages, page, d)
     lo, hi = kp.amin(2), kp.amax(2)  # [H, P, D]
     q = queries.view(h, hq // h, a, 1, d)
-    bound = torch.maximum(q * lo[:, None, None], q * hi[:, None, None]).sum(-1).amax(1)  # [H, a, P]
-    top = bound.topk(min(pages, max(1, budget // page)), dim=-1).indices
-    picked = torch.zeros(h, a, pages, dtype=torch.bool).scatter_(2, top, True)
+    bound = torch.maximum(q * lo[:, None, None], q * hi[:, None, None]).sum(-1)  # [H, g, a, P]
+    chosen = min(pages, max(1, budget // page))
+    picked = torch.zeros(h, a, pages, dtype=torch.bool)
+    for i in range(a):
+        top = choose_pages(bound[:, :, i], chosen, rule, scaling)  # [H, k], -1: none
+        real = top >= 0
+        picked[:, i].scatter_(1, top.clamp(min=0), real)
     picked_tokens = picked.repeat_interleave(page, 2)[..., :c]  # [H, a, c]
     probs = (queries @ exact.repeat_interleave(hq // h, 0).transpose(-1, -2) * scaling).softmax(-1)
     inside = picked_tokens.repeat_interleave(hq // h, 0)
     mass = float((probs * inside).sum(-1).mean())
     hit = float(picked_tokens[..., needle].float().mean()) if needle.any() else float("nan")
-    return mass, hit
+    return mass, hit, float(picked.sum(-1).float().mean())
 
 
 def diagnose(model: Any, tokenizer: Any, sample: task_lib.Sample, spec: str) -> list[dict[str, Any]]:
@@ -223,9 +235,19 @@ def diagnose(model: Any, tokenizer: Any, sample: task_lib.Sample, spec: str) -> 
         selection = {}
         for page, budget in SELECTIONS:
             if int(cand.numel()) > budget and n_ans:
-                selection[f"{page}/{budget}"] = page_recall(
-                    answer_q, keys[:, cand], exact_k[:, cand], is_needle[cand], page, budget, scaling
-                )
+                # the default's page and budget under every page choice; the other sizes with max
+                for rule in RULES if (page, budget) == (64, 512) else ("max",):
+                    name = f"{page}/{budget}" + ("" if rule == "max" else f"_{rule}")
+                    selection[name] = page_recall(
+                        answer_q,
+                        keys[:, cand],
+                        exact_k[:, cand],
+                        is_needle[cand],
+                        page,
+                        budget,
+                        scaling,
+                        rule,
+                    )
         by_group.setdefault(layer.group.index, []).append(
             {
                 "needle_err_k": float(err_k[needle].mean()) if needle.numel() else None,
@@ -240,6 +262,7 @@ def diagnose(model: Any, tokenizer: Any, sample: task_lib.Sample, spec: str) -> 
                 "answer_out_err_needle_exact": answer_oracle,
                 **{f"kept_mass_{k}": v[0] for k, v in selection.items()},
                 **{f"needle_picked_{k}": v[1] for k, v in selection.items()},
+                **{f"pages_picked_{k}": v[2] for k, v in selection.items()},
                 "needle_kinds": kinds,
             }
         )

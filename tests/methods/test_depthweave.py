@@ -546,7 +546,25 @@ def test_fair_page_choice_gives_every_query_head_its_best_pages():
     assert choose_pages(one_row, 2, "fair").tolist() == choose_pages(one_row, 2, "max").tolist()
 
 
-@pytest.mark.parametrize("choice", ["max", "fair"])
+def test_mass_page_choice_takes_the_pages_attention_needs_within_twice_the_budget():
+    """``page_choice=mass``: a peaked step takes the budget's pages (the highest bounds), a flat one more, up to
+    twice the budget, each query row's needed pages first; a head that needs fewer is padded with -1."""
+    from kvweave.methods.depthweave.select import choose_pages
+
+    peaked = torch.tensor(
+        [[[40.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 30.0]]]
+    )
+    top = choose_pages(peaked, 3, "mass", scaling=1.0)
+    assert top.shape == (1, 3) and {0, 7} <= set(top[0].tolist())  # both rows' one needed page, then a filler
+    flat = torch.zeros(1, 2, 8)  # every page as likely: 90 % of the mass wants 8 pages, the cap allows 6
+    assert len(set(choose_pages(flat, 3, "mass", scaling=1.0)[0].tolist()) - {-1}) == 6
+    both = torch.cat([peaked[:, :1], flat[:, :1]])  # [2, 1, 8]: head 0 peaked, head 1 flat
+    top = choose_pages(both, 2, "mass", scaling=1.0)
+    assert top.shape == (2, 4) and top[0].tolist()[2:] == [-1, -1] and top[0, 0] == 0
+    assert len(set(top[1].tolist()) - {-1}) == 4  # the flat head: twice its budget of 2
+
+
+@pytest.mark.parametrize("choice", ["max", "fair", "mass"])
 def test_selective_decode_runs_with_each_page_choice(model, choice):
     ids = _ids(96)
     cache = kvweave.make_cache(

@@ -240,8 +240,9 @@ class DepthWeave(Method):
     page: int = option(64, "tokens per page summary (decode_tokens > 0)", tuning=True)
     page_choice: str = option(
         "max",
-        "how a decode step picks its pages per KV head: max (highest bound over the head's query heads) or "
-        "fair (each query head's best pages in turn)",
+        "how a decode step picks its pages per KV head: max (highest bound over the head's query heads), "
+        "fair (each query head's best pages in turn) or mass (each query head's pages until their "
+        "bound-estimated attention covers 90 %, between the budget and twice it)",
         tuning=True,
     )
     kernel: str = option(
@@ -320,7 +321,7 @@ class DepthWeave(Method):
         self.check_range("decode_tokens", 0)
         self.check_range("page", 1)
         self.check_choice("kernel", list(BACKENDS))
-        self.check_choice("page_choice", ["max", "fair"])
+        self.check_choice("page_choice", ["max", "fair", "mass"])
         self.check_range("probe", 1)
         self.check_range("window", 1)
         self.check_range("sinks", 0)

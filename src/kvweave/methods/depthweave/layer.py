@@ -122,7 +122,7 @@ class DepthWeaveLayer(CompressedLayer):
             parts = None
             if store is not None and selective:
                 packed = query[b].float().reshape(heads, -1, query.shape[-1])  # [H, g, D]
-                parts = selected_parts(store, self.layer_idx, packed, table)
+                parts = selected_parts(store, self.layer_idx, packed, table, scaling=scaling)
             if parts is None:
                 parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
             keys, values = recent.keys[b], recent.values[b]  # type: ignore[index]

@@ -176,13 +176,22 @@ def bounds_bytes(method: Any, tokens: int, layers: int, heads: int, dim: int) ->
     return layers * heads * math.ceil(tokens / method.page) * (2 * dim + 4)
 
 
-def choose_pages(bounds: torch.Tensor, chosen: int, rule: str) -> torch.Tensor:
+MASS_SHARE = 0.9
+"""``page_choice=mass``: the share of a query row's attention, estimated from the page bounds, its pages cover."""
+MASS_WIDEST = 2
+"""``page_choice=mass``: at most this many times the budget's pages per KV head (a flat step's cost is bounded)."""
+
+
+def choose_pages(bounds: torch.Tensor, chosen: int, rule: str, scaling: float | None = None) -> torch.Tensor:
     """``[H, k]`` pages per KV head from their upper bounds ``[H, M, P]`` (``M``: the head's query rows).
 
     ``max``: the ``k`` pages of highest bound over the query rows. ``fair``: every query row's best page, then
     every row's second best, and so on, rank by rank (rows in order within a rank; a page named again is
     already in) until ``k`` are taken, so a query head whose pages score lower than another head's still gets
-    its best ones (several needles, each wanted by other heads)."""
+    its best ones (several needles, each wanted by other heads). ``mass``: :func:`mass_pages` (``-1`` marks
+    no page; ``scaling``: the attention's logit scale)."""
+    if rule == "mass":
+        return mass_pages(bounds, chosen, bounds.shape[-1] ** -0.5 if scaling is None else scaling)
     if rule == "max" or bounds.shape[1] == 1:
         return bounds.amax(1).topk(chosen, dim=1).indices
     heads, rows, pages = bounds.shape
@@ -194,12 +203,50 @@ def choose_pages(bounds: torch.Tensor, chosen: int, rule: str) -> torch.Tensor:
     return first.topk(chosen, dim=1, largest=False).indices
 
 
+def mass_pages(
+    bounds: torch.Tensor,
+    chosen: int,
+    scaling: float,
+    share: float = MASS_SHARE,
+    widest: int = MASS_WIDEST,
+) -> torch.Tensor:
+    """``[H, k']`` pages per KV head that follow attention mass, ``-1`` where a head takes fewer than ``k'``.
+
+    Each query row's share of attention per page is estimated by a softmax over its pages' scaled bounds; the
+    row needs its best pages until they cover ``share``. The pages any row needs are taken rank by rank as
+    :func:`choose_pages`'s ``fair`` does, at least ``chosen`` (the highest bounds fill up a peaked step) and
+    at most ``widest · chosen`` (a flat step, several needles, takes more pages, within a bound)."""
+    heads, rows, pages = bounds.shape
+    cap = min(pages, widest * chosen)
+    order = bounds.argsort(dim=2, descending=True)  # [H, M, P]
+    shares = (bounds * scaling).softmax(-1).gather(2, order)  # each row's page shares, best first
+    needed = (shares.cumsum(-1) - shares) < share  # the pages before which the row is still short of `share`
+    last = rows * pages
+    turns = order.transpose(1, 2).reshape(heads, last)
+    steps = torch.arange(last, device=bounds.device).expand(heads, -1)
+    steps = torch.where(needed.transpose(1, 2).reshape(heads, last), steps, last)
+    first = torch.full((heads, pages), last, dtype=torch.long, device=bounds.device)
+    first.scatter_reduce_(1, turns, steps, reduce="amin")  # each needed page's first turn
+    by_bound = bounds.amax(1).argsort(dim=1, descending=True).argsort(dim=1)  # a page's rank by its bound
+    key = torch.where(first < last, first, last + by_bound)  # needed pages first, then by bound
+    count = (first < last).sum(1).clamp(min=min(chosen, pages), max=cap)  # [H]
+    width = int(count.max())
+    top = key.topk(width, dim=1, largest=False).indices
+    return torch.where(torch.arange(width, device=bounds.device) < count.view(-1, 1), top, -1)
+
+
 def selected_parts(
-    store: RowStore, layer: int, query: torch.Tensor, table: RopeTable | None, pages: int | None = None
+    store: RowStore,
+    layer: int,
+    query: torch.Tensor,
+    table: RopeTable | None,
+    pages: int | None = None,
+    scaling: float | None = None,
 ) -> list[Any] | None:
     """The parts a decode step of ``layer`` attends over (chosen pages + exact rows), or ``None`` when every page
     fits the budget (then the caller attends over everything). ``query: [H, M, D]`` float32, packed per KV head.
-    ``pages``: choose this many pages per head instead of ``decode_tokens / page`` (tests: all of them)."""
+    ``pages``: choose this many pages per head instead of ``decode_tokens / page`` (tests: all of them);
+    ``scaling``: the attention's logit scale (``page_choice=mass`` estimates attention shares with it)."""
     method = store.method
     segments = list(store.segments.values())
     held = sum(s.bounds[layer].pages for s in segments) if segments else 0
@@ -208,7 +255,7 @@ def selected_parts(
         return None
     chosen = min(chosen, held)
     bounds = torch.cat([s.bounds[layer].upper_bounds(query) for s in segments], dim=2)  # [H, M, P]
-    top = choose_pages(bounds, chosen, method.page_choice)  # [H, k]
+    top = choose_pages(bounds, chosen, method.page_choice, scaling)  # [H, k], -1: no page (mass)
     heads, dim = store.heads, store.dim
     r_v = store.basis["v"][layer].dequantize().view(-1, heads, dim)  # [r, H, D]
     rotate = table.rotate if table is not None else None
