@@ -33,8 +33,9 @@ What it implements (DESIGN.md, "DK-Cache"):
   the identity until the context outgrows the trained range. Compensation needs the RoPE inverse to be exact:
   rotary embeddings with an attention scaling other than 1 (YaRN) are not exactly invertible by the helper.
 - INT8 steady/far storage (``bits=8``, the default since the performance work: per-token float32 scales, read by
-  a fused C++ CPU kernel straight from the codes, :mod:`kvweave.kernels.cpu_int8`; ``kernel=torch`` dequantizes,
-  the reference); ``bits=16`` keeps them at the model's width. INT4 is refused (seed rule 5). The core stays at
+  a fused C++ CPU kernel straight from the codes, :mod:`kvweave.kernels.cpu_int8`, which also takes the one
+  softmax over the tiers without concatenating them; ``kernel=torch`` dequantizes and concatenates, the
+  reference); ``bits=16`` keeps them at the model's width. INT4 is refused (seed rule 5). The core stays at
   the model's width. INT8 with one float32 scale per 64-value token row bounds the steady and far tiers at
   16 / 8.5 = 1.88x less than 16-bit.
 - Defaults that differ from the seed: decoupling is **off** (``decouple=false``) because every measurement
@@ -198,7 +199,8 @@ class DKCache(Method):
     offload: bool = option(False, "keep the far tier in host memory when the model is on an accelerator")
     kernel: str = option(
         "auto",
-        "decode kernels: cpp (INT8 tiers in a fused C++ CPU kernel on the codes), triton (far pages scored in "
+        "decode kernels: cpp (the tiers' products straight from the INT8 codes and the softmax over the tiers in "
+        "C++, CPU), triton (far pages scored in "
         "a Triton kernel, CUDA), torch (the references) or auto (triton on CUDA, cpp on CPU when it builds)",
         tuning=True,
     )

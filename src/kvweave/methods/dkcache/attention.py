@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvweave._compat import mask_to_bool
+from kvweave.kernels import cpu_int8
 from kvweave.kernels.cpu_int8 import HeldRows
 from kvweave.methods.dkcache.far import Part
 from kvweave.methods.dkcache.positions import is_near
@@ -252,10 +253,12 @@ def attend_parts(
     first: int,
     q_len: int,
     dtype: torch.dtype,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One softmax over the concatenated logits of attention parts (:data:`ScoredPart`), the output summed per
     part at ``dtype`` (the model's): ``[B, q, Hq, D]``, the last query's normalised entropy ``[B]`` and the
-    entries it attended (mean over KV heads) ``[B]``."""
+    entries it attended (mean over KV heads) ``[B]``. ``kernel``: the softmax and entropy in one C++ pass over
+    the parts (:func:`~kvweave.kernels.cpu_int8.parts_softmax`, CPU; no concatenation), else in torch."""
     b, hq, n, _ = shape
     h = parts[-1][1].shape[1]
     g = hq // h
@@ -273,26 +276,28 @@ def attend_parts(
         if not (cpu and bool(visible.all())):
             logits, hidden = logits.masked_fill(~visible.unsqueeze(2), float("-inf")), True
         scored.append(logits)
-    scores = torch.cat(scored, dim=-1).float().mul(scaling)
-    probs = scores.softmax(-1)
-    if hidden:  # a query that sees nothing (padding): zeros, the rule of masked_softmax
-        probs = probs.nan_to_num(0.0)
     count = torch.stack(last_seen).sum(0)  # [B, H] entries the last query sees
-    last = probs[:, :, :, -1, :]
-    # -sum p log p, with p = 0 giving 0 · log(tiny) = 0 as in xlogy (which is 4x slower on the CPU)
-    raw = -(last * last.clamp(min=torch.finfo(last.dtype).tiny).log()).sum(-1)  # [B, H, g]
+    if kernel and cpu:
+        weights, rows = cpu_int8.parts_softmax([x.reshape(b, h, g * n, -1) for x in scored], scaling)
+        raw = rows.view(b, h, g, n)[..., -1]  # [B, H, g]: the last query's entropy
+    else:
+        probs = torch.cat(scored, dim=-1).float().mul(scaling).softmax(-1)
+        if hidden:  # a query that sees nothing (padding): zeros, the rule of masked_softmax
+            probs = probs.nan_to_num(0.0)
+        weights = list(probs.reshape(b, h, g * n, -1).split([x.shape[-1] for x in scored], dim=-1))
+        last = probs[:, :, :, -1, :]
+        # -sum p log p, with p = 0 giving 0 · log(tiny) = 0 as in xlogy (which is 4x slower on the CPU)
+        raw = -(last * last.clamp(min=torch.finfo(last.dtype).tiny).log()).sum(-1)  # [B, H, g]
     seen_count = count.unsqueeze(-1).expand_as(raw).float()
     normalised = torch.where(seen_count > 1, raw / seen_count.clamp(min=2).log(), torch.zeros_like(raw))
     entropy = normalised.flatten(1).mean(1)
-    out, low = None, 0
-    for _, values, *_ in parts:
-        width = values.shape[2]
-        weights = probs[..., low : low + width].reshape(b, h, g * n, width)
+    out = None
+    for (_, values, *_), weight in zip(parts, weights):
         if isinstance(values, HeldRows):  # INT8 or 16-bit rows: weighted straight from what is held
-            term = values.weighted(weights).to(dtype)
+            term = values.weighted(weight).to(dtype)
         else:
-            term = weights.to(values.dtype) @ values
-        out, low = term if out is None else out + term, low + width
+            term = weight.to(values.dtype) @ values
+        out = term if out is None else out + term
     assert out is not None
     attended = count.float().mean(1)
     return out.view(b, hq, n, -1).transpose(1, 2).contiguous(), entropy, attended

@@ -439,8 +439,9 @@ class DKCacheLayer(LayerStatsMixin, CompressedLayer):
         first: int,
         q_len: int,
     ) -> torch.Tensor:
+        kernel = self.method.kernel in ("auto", "cpp") and cpu_int8.load() is not None
         out, self.last_entropy, self.last_attended = attend_parts(
-            parts, query.shape, attention_mask, scaling, first, q_len, query.dtype
+            parts, query.shape, attention_mask, scaling, first, q_len, query.dtype, kernel
         )
         self.decode_steps += 1
         return out
