@@ -17,7 +17,14 @@ needs_kernel = pytest.mark.skipif(
 @pytest.mark.parametrize("blocked", [True, False])
 @pytest.mark.parametrize(
     "b,h,r,t,d",
-    [(1, 2, 7, 1500, 64), (2, 3, 1, 5, 16), (1, 1, 3, 1025, 128), (2, 2, 2, 0, 8), (1, 2, 19, 77, 24), (1, 1, 4, 9, 6)],
+    [
+        (1, 2, 7, 1500, 64),
+        (2, 3, 1, 5, 16),
+        (1, 1, 3, 1025, 128),
+        (2, 2, 2, 0, 8),
+        (1, 2, 19, 77, 24),
+        (1, 1, 4, 9, 6),
+    ],
 )
 def test_kernel_equals_reference(b, h, r, t, d, blocked):
     # blocked: query rows in groups of 8 lanes (19 rows = 2 full groups + 3), token blocks of 8 and 64 with
@@ -49,7 +56,9 @@ def test_reference_path_when_asked():
 @needs_kernel
 @pytest.mark.parametrize("blocked", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b,h,r,t,d", [(1, 2, 7, 1500, 64), (2, 3, 1, 5, 16), (2, 2, 2, 0, 8), (1, 1, 9, 70, 32)])
+@pytest.mark.parametrize(
+    "b,h,r,t,d", [(1, 2, 7, 1500, 64), (2, 3, 1, 5, 16), (2, 2, 2, 0, 8), (1, 1, 9, 70, 32)]
+)
 def test_kernel_reads_16_bit_rows_like_the_widened_reference(dtype, b, h, r, t, d, blocked):
     # the exact core at 16-bit storage: the kernel widens each row in registers, the reference widens the tier
     torch.manual_seed(0)

@@ -42,7 +42,9 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values", "int8_blocked_available", "parts_softmax"])
+    module, _reason = build(
+        _NAME, _CPP_DECL, _SOURCE, ["int8_logits", "int8_values", "int8_blocked_available", "parts_softmax"]
+    )
     return module
 
 
@@ -141,7 +143,9 @@ class HeldRows:
         module = self._kernel()
         if module is None:
             return values_reference(weights, self.codes, self.scale)
-        return module.int8_values(weights.float().contiguous(), self.codes, self._kernel_scale(), self.blocked)
+        return module.int8_values(
+            weights.float().contiguous(), self.codes, self._kernel_scale(), self.blocked
+        )
 
     def _kernel_scale(self) -> torch.Tensor:
         """``[B, H, T]`` scales, or an empty tensor for 16-bit rows (the kernel then scales by 1)."""

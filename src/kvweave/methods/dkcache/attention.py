@@ -292,7 +292,7 @@ def attend_parts(
     normalised = torch.where(seen_count > 1, raw / seen_count.clamp(min=2).log(), torch.zeros_like(raw))
     entropy = normalised.flatten(1).mean(1)
     out = None
-    for (_, values, *_), weight in zip(parts, weights):
+    for (_, values, *_), weight in zip(parts, weights, strict=True):
         if isinstance(values, HeldRows):  # INT8 or 16-bit rows: weighted straight from what is held
             term = values.weighted(weight).to(dtype)
         else:
