@@ -101,6 +101,10 @@ def older_configuration(method: str, rows: list[dict[str, Any]]) -> str | None:
 RUNS_16K = tuple(f"docs/data/bench/bench-16k-v{n}.jsonl" for n in (4, 5, 6))
 """The three five-round runs of the 16K point at the current defaults (the same command, three sessions)."""
 
+RUNS_16K_NOW = tuple(f"docs/data/bench/bench-16k-v{n}.jsonl" for n in (7,))
+"""The five-round runs of the 16K point since DK-Cache's blocked INT8 kernel and one-pass softmax (tenth
+session): the same command as :data:`RUNS_16K`, the code of today."""
+
 HEADLINES: dict[str, Headline] = {
     **{
         f"{short}-16k-speed": Headline(
@@ -108,6 +112,15 @@ HEADLINES: dict[str, Headline] = {
         )
         for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
     },
+    **{
+        f"{short}-16k-speed-now": Headline(
+            RUNS_16K_NOW, method, "speedup", "{:.2f}x", (("context", 16384),), summary="range"
+        )
+        for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
+    },
+    "dk-16k-of-bound-now": Headline(
+        RUNS_16K_NOW, "dkcache", "of_bound", "{:.0%}", (("context", 16384),), summary="range"
+    ),
     "dw-16k-bound": Headline(
         "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "bound", "{:.2f}x", (("context", 16384),)
     ),
