@@ -8,7 +8,7 @@
 #                                                          GPU_CHECK_DRY=1 OUT=/some/dir benchmarks/gpu_check.sh
 #
 # Needs no network and nothing outside the repository (no model download: --shape builds random weights):
-# PYTHON (default: python) must already have torch (a CUDA build), triton and kvweave's dependencies
+# PYTHON (default: python, else python3) must already have torch (a CUDA build), triton and kvweave's dependencies
 # (transformers, safetensors, gguf, numpy, tqdm, accelerate). kvweave itself is installed with `pip install -e .
 # --no-deps --no-build-isolation` when it is not importable, or else put on PYTHONPATH from src/.
 #
@@ -27,6 +27,8 @@
 #   GPU_CHECK_KERNEL_TESTS names other test paths for stage 3 (CI's dry run: the import test only, since the
 #   suite it runs in has run tests/kernels under the interpreter already).
 #   $OUT/summary.txt: one line per stage with its exit status and seconds (124: timed out).
+#   GPU_CHECK_PACK=1 folds the per-stage logs into $OUT/logs.tar.gz at the end, leaving five files in $OUT
+#   (gpu-check.json, summary.txt, bench.jsonl, kernel-tests.xml, logs.tar.gz), for runners that return few files.
 # Exit status: the kernel tests' status when they fail; else 0 when every bench point finished, 3 otherwise.
 set -uo pipefail
 
@@ -37,7 +39,7 @@ BUDGET="${GPU_CHECK_SECONDS:-470}"
 START=$SECONDS
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-$(command -v python >/dev/null 2>&1 && echo python || echo python3)}"
 DRY="${GPU_CHECK_DRY:-0}"
 export PYTHON HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
@@ -141,6 +143,9 @@ result = {
 (out / "gpu-check.json").write_text(json.dumps(result, indent=1) + "\n")
 print(f"{out / 'gpu-check.json'}: kernel tests {counts or 'not run'}, {len(rows)} bench rows")
 EOF
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+  (cd "$OUT" && tar czf logs.tar.gz ./*.log && rm -f ./*.log) && echo "logs: packed into $OUT/logs.tar.gz"
+fi
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi
 if [ "$bench_failed" -ne 0 ]; then exit 3; fi
 exit 0

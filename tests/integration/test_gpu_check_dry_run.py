@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +20,7 @@ def test_the_gpu_check_dry_run_writes_every_point_and_the_kernel_counts(tmp_path
         "OUT": str(tmp_path),
         "PYTHON": sys.executable,
         "GPU_CHECK_KERNEL_TESTS": "tests/kernels/test_kernel_imports.py",
+        "GPU_CHECK_PACK": "1",
     }
     done = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
@@ -39,3 +41,14 @@ def test_the_gpu_check_dry_run_writes_every_point_and_the_kernel_counts(tmp_path
         assert methods == {"full", "quant:bits=4", "dkcache", "depthweave"}
     assert all(r["model"] == "random:tiny" and r["ms_per_token"] > 0 for r in result["bench"])
     assert any(line.startswith("kernel-tests: exit 0") for line in result["stages"])
+    # GPU_CHECK_PACK=1: the per-stage logs folded into one archive, five files in all
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "gpu-check.json",
+        "summary.txt",
+        "bench.jsonl",
+        "kernel-tests.xml",
+        "logs.tar.gz",
+    }
+    with tarfile.open(tmp_path / "logs.tar.gz") as archive:
+        names = {Path(n).name for n in archive.getnames()}
+    assert {"env.log", "kernel-tests.log", "bench-256-b1.log", "bench-128-b2.log"} <= names
