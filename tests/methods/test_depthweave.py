@@ -593,3 +593,48 @@ def test_recent_share_changes_nothing_before_its_threshold(model):
         )
         held.append(cache.nbytes())
     assert torch.equal(outs[0], outs[1]) and held[0] == held[1]
+
+
+def test_pinned_pages_are_the_ones_a_multi_token_step_attended_and_every_decode_step_reads_them(model):
+    """``pin_tokens``: a multi-token step over the compressed cache (a question after the document) pins, per
+    layer and KV head, the pages its queries gave the most attention, and the decode steps after it choose those
+    pages first even when their bounds are the lowest; the rest of the budget still goes by bound."""
+    from kvweave.methods.depthweave.select import pin_pages, pinned_flags, selected_parts
+
+    options = {**SMALL, "decode_tokens": 8, "page": 4, "group": 2, "pin_tokens": 4}
+    cache = kvweave.make_cache("depthweave", model, **options)
+    kw = {cache_kwarg(model): cache}
+    ids = _ids(120)
+    model(ids[:, :96], use_cache=True, **kw)  # the document: compressed
+    layer = cache.layers[0]
+    assert layer.pins == {}
+    model(ids[:, 96:112], use_cache=True, **kw)  # a question: one multi-token step over everything
+    store = layer.group.rows[0]
+    pins = layer.pins[0]
+    flags = pinned_flags(store, 0, pins)
+    assert flags.shape[0] == store.heads and bool((flags.sum(1) == 1).all())  # 4 tokens: one page per head
+    # the pinned page is the one with the most attention mass: pinning a hand-made mass pins its top page
+    tokens = sum(s.slots.numel() for s in store.segments.values())
+    mass = torch.zeros(store.heads, tokens)
+    mass[:, 13] = 1.0  # token 13: page 3 of the first segment
+    assert pinned_flags(store, 0, pin_pages(store, mass))[:, 3].all()
+    # a decode query still reads a pinned page that its bounds rank last (head 0, the first segment)
+    torch.manual_seed(0)
+    query = torch.randn(store.heads, 3, store.dim)
+    first_key, segment = next(iter(store.segments.items()))
+    worst = int(segment.bounds[0].upper_bounds(query).amax(1)[0].argmin())
+    forced = {key: torch.zeros_like(f) for key, f in pins.items()}
+    forced[first_key][:, worst] = True
+    wanted = set(segment.slots[worst * 4 : worst * 4 + 4].tolist())
+    table = cache.context.rope_table(0)
+    table.ensure(layer.seen + 1, query.device)
+    for use in (None, forced):
+        parts = selected_parts(store, 0, query, table, pins=use)
+        assert parts is not None
+        read = {int(x) for p in parts if hasattr(p, "valid") for x in p.slots[0][p.valid[0]].tolist()}
+        assert (wanted <= read) == (use is not None)  # chosen with the pin, not without it
+    # and generation runs with pins end to end
+    out = model.generate(
+        ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{cache_kwarg(model): cache}
+    )
+    assert out.shape[1] == 126

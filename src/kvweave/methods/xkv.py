@@ -64,6 +64,7 @@ class XKV(DepthWeave):
     recent: int = option(0, "newest prompt tokens kept exact (none in xKV)", tuning=True)
     block: int = option(NEVER, "decode tokens folded at a time (never in xKV)", tuning=True)
     decode_tokens: int = option(0, "selective decode (off in xKV: every key rebuilt)", tuning=True)
+    pin_tokens: int = option(0, "pinned pages of selective decode (off in xKV)", tuning=True)
     weighting: float = option(
         0.0, "attention weighting of the SVD rows (none in xKV: plain SVD)", tuning=True
     )

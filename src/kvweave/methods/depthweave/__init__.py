@@ -51,7 +51,10 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   :mod:`kvweave.kernels.triton_factor`; ``kernel=torch`` is the tested reference) — then
   attends exactly over them, the exact rows and the recent buffer. Other compressed tokens get no weight that
   step (Quest-style sparsity). Multi-token steps (a question fed after the document) and stores with no more
-  pages than the budget attend over everything. ``decode_tokens=0`` is the previous path (every key rebuilt
+  pages than the budget attend over everything. ``pin_tokens`` of the budget go to the pages that the last
+  multi-token step over the compressed cache (a question fed after the document, which attends over everything)
+  gave the most attention, per layer and KV head: those pages are attended at every step until the next such
+  step, whatever their bounds (:func:`.select.pin_pages`). ``decode_tokens=0`` is the previous path (every key rebuilt
   every step, no summaries).
 - ``bits=8|4`` stores the token-side coordinates as integers, scales per column over groups of 64 rows;
   coefficients ``R`` (shared by every token) at 8 bits. 16-bit storage is float16 for float32 models.
@@ -245,6 +248,13 @@ class DepthWeave(Method):
         "bound-estimated attention covers 90 %, between the budget and twice it)",
         tuning=True,
     )
+    pin_tokens: int = option(
+        0,
+        "of the decode_tokens, compressed tokens per KV head every decode step attends whatever their bounds: "
+        "the pages the last multi-token step over the compressed cache (a question fed after the document) "
+        "attended most; 0: none",
+        tuning=True,
+    )
     kernel: str = option(
         "auto",
         "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), triton (fused Triton kernels, "
@@ -303,6 +313,7 @@ class DepthWeave(Method):
         ({"block": 0}, "block"),
         ({"decode_tokens": -1}, "decode_tokens"),
         ({"page": 0}, "page"),
+        ({"pin_tokens": -1}, "pin_tokens"),
         ({"kernel": "cuda"}, "kernel"),
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
@@ -320,6 +331,7 @@ class DepthWeave(Method):
         self.check_range("rank", 1)
         self.check_range("decode_tokens", 0)
         self.check_range("page", 1)
+        self.check_range("pin_tokens", 0)
         self.check_choice("kernel", list(BACKENDS))
         self.check_choice("page_choice", ["max", "fair", "mass"])
         self.check_range("probe", 1)

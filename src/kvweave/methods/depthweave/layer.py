@@ -10,7 +10,7 @@ from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.parts import DensePart, attend_parts
 from kvweave.methods.depthweave.router import observed_attention
-from kvweave.methods.depthweave.select import selected_parts
+from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
 from kvweave.ops.masking import prompt_padding
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ class DepthWeaveLayer(CompressedLayer):
     def __init__(self, cache: KVCache, layer_idx: int, method: DepthWeave) -> None:
         super().__init__(cache, layer_idx)
         self.method = method
+        # batch row -> pinned pages (``pin_tokens``): set by a multi-token step over the compressed cache, read by
+        # the decode steps after it; derived from attention, so not saved (a loaded cache pins at its next one)
+        self.pins: dict[int, Pins] = {}
 
     @property
     def recent(self) -> RecentBuffer:
@@ -46,6 +49,9 @@ class DepthWeaveLayer(CompressedLayer):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
+        self.pins = {
+            new: self.pins[int(old)] for new, old in enumerate(rows.tolist()) if int(old) in self.pins
+        }
         self.recent.select_rows(rows)
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
@@ -122,13 +128,26 @@ class DepthWeaveLayer(CompressedLayer):
             parts = None
             if store is not None and selective:
                 packed = query[b].float().reshape(heads, -1, query.shape[-1])  # [H, g, D]
-                parts = selected_parts(store, self.layer_idx, packed, table, scaling=scaling)
+                pins = self.pins.get(b)
+                parts = selected_parts(store, self.layer_idx, packed, table, scaling=scaling, pins=pins)
+            pin = (
+                parts is None
+                and not selective
+                and self.method.pin_tokens > 0
+                and self.method.decode_tokens > 0
+                and store is not None
+                and bool(store.segments)
+            )
             if parts is None:
                 parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
             keys, values = recent.keys[b], recent.values[b]  # type: ignore[index]
             parts.append(DensePart(keys.float(), values.float(), recent_slots))
             row_mask = None if mask is None else mask[b : b + 1]
-            out, recent_attention = attend_parts(query[b].float(), parts, row_mask, first, scaling)
+            masses: list[torch.Tensor] | None = [] if pin else None
+            out, recent_attention = attend_parts(query[b].float(), parts, row_mask, first, scaling, masses)
+            if masses:  # a multi-token step over everything: pin the pages it attended most
+                assert store is not None
+                self.pins[b] = pin_pages(store, masses[0])
             score = recent.score[b]  # type: ignore[index]
             recent.score[b] = torch.maximum(score, recent_attention)  # type: ignore[index]
             outs.append(out)

@@ -72,12 +72,19 @@ class FactorPart:
 
 
 def attend_parts(
-    query: torch.Tensor, parts: list[Any], mask: torch.Tensor | None, first: int, scaling: float
+    query: torch.Tensor,
+    parts: list[Any],
+    mask: torch.Tensor | None,
+    first: int,
+    scaling: float,
+    masses: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's attention over ``parts`` (the last one is the recent buffer).
 
     ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
     of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
+    ``masses``, when given, receives per part the attention its entries got, summed over the query rows and
+    the query heads of each KV head (``[H, n]``).
     """
     hq, q_len, d = query.shape
     h = parts[-1].keys.shape[0]
@@ -102,6 +109,8 @@ def attend_parts(
     for part in parts:
         n = part.slots.shape[-1]
         out += part.output(probs[..., start : start + n])
+        if masses is not None:
+            masses.append(probs[..., start : start + n].sum(1))
         start += n
     m = parts[-1].slots.shape[-1]
     recent = probs[..., start - m :].sum(0).view(g, q_len, m).sum(0).amax(0)

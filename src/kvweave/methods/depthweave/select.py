@@ -235,6 +235,52 @@ def mass_pages(
     return torch.where(torch.arange(width, device=bounds.device) < count.view(-1, 1), top, -1)
 
 
+Pins = dict[tuple[int, int], torch.Tensor]
+"""Pinned pages of one row store and layer: segment key -> ``[H, P_s]`` bool (the segment's pages when pinned)."""
+
+
+def pin_pages(store: RowStore, mass: torch.Tensor) -> Pins:
+    """The pages to pin (``pin_tokens`` of them per KV head, in pages): those whose tokens got the most attention
+    ``mass: [H, N]`` (summed over the query rows of a multi-token step; ``N``: the store's factorized tokens in
+    segment order, as :meth:`RowStore.attention_parts` lays them out)."""
+    method = store.method
+    page = method.page
+    heads = mass.shape[0]
+    per_page, sizes, start = [], [], 0
+    for segment in store.segments.values():
+        n = segment.slots.numel()
+        count = math.ceil(n / page)
+        part = torch.nn.functional.pad(mass[:, start : start + n], (0, count * page - n))
+        per_page.append(part.view(heads, count, page).sum(-1))
+        sizes.append(count)
+        start += n
+    pins: Pins = {}
+    if not per_page:
+        return pins
+    masses = torch.cat(per_page, dim=1)  # [H, P]
+    keep = min(math.ceil(method.pin_tokens / page), math.ceil(method.decode_tokens / page), masses.shape[1])
+    flags = torch.zeros_like(masses, dtype=torch.bool)
+    flags.scatter_(1, masses.topk(keep, dim=1).indices, True)
+    for key, part in zip(store.segments, flags.split(sizes, dim=1), strict=True):
+        pins[key] = part
+    return pins
+
+
+def pinned_flags(store: RowStore, layer: int, pins: Pins) -> torch.Tensor:
+    """``[H, P]`` bool over the store's pages now (segment order): pinned pages (a segment's pages added since
+    it was pinned are not)."""
+    flags = []
+    for key, segment in store.segments.items():
+        count = segment.bounds[layer].pages
+        held = pins.get(key)
+        part = torch.zeros(store.heads, count, dtype=torch.bool, device=segment.slots.device)
+        if held is not None:
+            width = min(count, held.shape[1])
+            part[:, :width] = held[:, :width]
+        flags.append(part)
+    return torch.cat(flags, dim=1)
+
+
 def selected_parts(
     store: RowStore,
     layer: int,
@@ -242,11 +288,13 @@ def selected_parts(
     table: RopeTable | None,
     pages: int | None = None,
     scaling: float | None = None,
+    pins: Pins | None = None,
 ) -> list[Any] | None:
     """The parts a decode step of ``layer`` attends over (chosen pages + exact rows), or ``None`` when every page
     fits the budget (then the caller attends over everything). ``query: [H, M, D]`` float32, packed per KV head.
     ``pages``: choose this many pages per head instead of ``decode_tokens / page`` (tests: all of them);
-    ``scaling``: the attention's logit scale (``page_choice=mass`` estimates attention shares with it)."""
+    ``scaling``: the attention's logit scale (``page_choice=mass`` estimates attention shares with it);
+    ``pins``: pages chosen first, whatever their bounds (:func:`pin_pages`), the rest of the budget by bound."""
     method = store.method
     segments = list(store.segments.values())
     held = sum(s.bounds[layer].pages for s in segments) if segments else 0
@@ -255,6 +303,10 @@ def selected_parts(
         return None
     chosen = min(chosen, held)
     bounds = torch.cat([s.bounds[layer].upper_bounds(query) for s in segments], dim=2)  # [H, M, P]
+    if pins:
+        pinned = pinned_flags(store, layer, pins).unsqueeze(1)  # [H, 1, P]
+        # above every bound, finite (mass turns bounds into shares): pinned pages first, in any rule
+        bounds = torch.where(pinned, bounds.amax() + bounds.abs().amax() + 1.0, bounds)
     top = choose_pages(bounds, chosen, method.page_choice, scaling)  # [H, k], -1: no page (mass)
     heads, dim = store.heads, store.dim
     r_v = store.basis["v"][layer].dequantize().view(-1, heads, dim)  # [r, H, D]
