@@ -607,10 +607,13 @@ def test_pinned_pages_are_the_ones_a_multi_token_step_attended_and_every_decode_
     ids = _ids(120)
     model(ids[:, :96], use_cache=True, **kw)  # the document: compressed
     layer = cache.layers[0]
-    assert layer.pins == {}
+    # a prompt prefilled whole pins from its last queries' attention, dropped once the group's stores exist
+    assert set(layer.pins) == {0} and layer.prompt_mass is None
+    from_prompt = layer.pins[0]
     model(ids[:, 96:112], use_cache=True, **kw)  # a question: one multi-token step over everything
     store = layer.group.rows[0]
     pins = layer.pins[0]
+    assert pins is not from_prompt  # pinned anew by the question
     flags = pinned_flags(store, 0, pins)
     assert flags.shape[0] == store.heads and bool((flags.sum(1) == 1).all())  # 4 tokens: one page per head
     # the pinned page is the one with the most attention mass: pinning a hand-made mass pins its top page

@@ -53,8 +53,9 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   step (Quest-style sparsity). Multi-token steps (a question fed after the document) and stores with no more
   pages than the budget attend over everything. ``pin_tokens`` of the budget go to the pages that the last
   multi-token step over the compressed cache (a question fed after the document, which attends over everything)
-  gave the most attention, per layer and KV head: those pages are attended at every step until the next such
-  step, whatever their bounds (:func:`.select.pin_pages`). ``decode_tokens=0`` is the previous path (every key rebuilt
+  gave the most attention, per layer and KV head (after a prompt prefilled whole: the attention of its last
+  ``window`` queries, which hold the question when it is inside the prompt): those pages are attended at every
+  step until the next such step, whatever their bounds (:func:`.select.pin_pages`). ``decode_tokens=0`` is the previous path (every key rebuilt
   every step, no summaries).
 - ``bits=8|4`` stores the token-side coordinates as integers, scales per column over groups of 64 rows;
   coefficients ``R`` (shared by every token) at 8 bits. 16-bit storage is float16 for float32 models.
@@ -251,8 +252,8 @@ class DepthWeave(Method):
     pin_tokens: int = option(
         0,
         "of the decode_tokens, compressed tokens per KV head every decode step attends whatever their bounds: "
-        "the pages the last multi-token step over the compressed cache (a question fed after the document) "
-        "attended most; 0: none",
+        "the pages the last multi-token step over the compressed cache (a question fed after the document) or, "
+        "after a prompt prefilled whole, its last window queries attended most; 0: none",
         tuning=True,
     )
     kernel: str = option(

@@ -9,7 +9,7 @@ import torch
 from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.parts import DensePart, attend_parts
-from kvweave.methods.depthweave.router import observed_attention
+from kvweave.methods.depthweave.router import observed_attention, prompt_mass
 from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
 from kvweave.ops.masking import prompt_padding
 
@@ -35,6 +35,9 @@ class DepthWeaveLayer(CompressedLayer):
         # batch row -> pinned pages (``pin_tokens``): set by a multi-token step over the compressed cache, read by
         # the decode steps after it; derived from attention, so not saved (a loaded cache pins at its next one)
         self.pins: dict[int, Pins] = {}
+        # ``[B, H, n]`` attention of the prompt's last queries (a prompt prefilled whole, question inside): pins
+        # the first decode step's pages, then dropped
+        self.prompt_mass: torch.Tensor | None = None
 
     @property
     def recent(self) -> RecentBuffer:
@@ -52,6 +55,8 @@ class DepthWeaveLayer(CompressedLayer):
         self.pins = {
             new: self.pins[int(old)] for new, old in enumerate(rows.tolist()) if int(old) in self.pins
         }
+        if self.prompt_mass is not None:
+            self.prompt_mass = self.prompt_mass[rows.to(self.prompt_mass.device)]
         self.recent.select_rows(rows)
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
@@ -80,6 +85,9 @@ class DepthWeaveLayer(CompressedLayer):
             out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
             if self.method.router or self.method.weighting > 0:
                 recent.score = observed_attention(query, key, self.pad_count, self.method.window, scaling)
+            if self.method.pin_tokens > 0 and self.method.decode_tokens > 0:
+                self.pins = {}
+                self.prompt_mass = prompt_mass(query, key, self.pad_count, self.method.window, scaling)
         else:
             out = self.compressed_attention(query, attention_mask, first, scaling)
         count = group.fold_count(self.layer_idx, first, self.seen)
@@ -89,6 +97,8 @@ class DepthWeaveLayer(CompressedLayer):
             recent.keep_queries(query[:, :, -keep:].clone(), slots, scaling)
         if count > 0 and self.layer_idx == group.members[-1]:  # every member has stored this step
             group.fold(self, count, first)
+        if first == 0 and self.layer_idx == group.members[-1]:
+            self.pin_from_prompt(group)
         return out  # type: ignore[no-any-return]
 
     def push_recent(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
@@ -153,6 +163,23 @@ class DepthWeaveLayer(CompressedLayer):
             outs.append(out)
         return torch.stack(outs).to(query.dtype)
 
+    @staticmethod
+    def pin_from_prompt(group: WeaveGroup) -> None:
+        """After a whole prompt's prefill (the group's stores just built): pin each member layer's pages from the
+        attention its last prompt queries paid (``prompt_mass``, by position), then drop that mass. A prompt
+        with the question inside pins what the question attended, as a question fed after the document does."""
+        for layer in group.layers:
+            mass, layer.prompt_mass = layer.prompt_mass, None
+            if mass is None:
+                continue
+            for b, store in enumerate(group.rows):
+                if store is None or not store.segments or b >= mass.shape[0]:
+                    continue
+                slots = torch.cat([s.slots for s in store.segments.values()]).long()
+                inside = slots < mass.shape[2]
+                per_token = torch.where(inside, mass[b][:, slots.clamp(max=mass.shape[2] - 1)], 0.0)
+                layer.pins[b] = pin_pages(store, per_token)
+
     def held_kv(self, row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``keys, values: [H, N, D]`` float32 post-RoPE and ``slots: [N]``: all that row ``row`` attends to.
 
@@ -179,6 +206,7 @@ class DepthWeaveLayer(CompressedLayer):
         recent = self.recent
         tensors = recent.tensors() + ([self.pad_count] if self.pad_count is not None else [])
         tensors += recent.query_tensors()
+        tensors += [flags for pins in self.pins.values() for flags in pins.values()]  # pinned pages
         group = self.group
         for store in group.rows:
             if store is not None:

@@ -41,6 +41,23 @@ def observed_attention(
     return F.max_pool1d(received.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
 
 
+def prompt_mass(
+    query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int, scaling: float
+) -> torch.Tensor:
+    """``[B, H, n]`` attention the last ``window`` prompt queries pay each token, summed over those queries and
+    the query heads of each KV head (what ``pin_tokens`` pins at the first decode step after a whole prompt)."""
+    b, hq, n, d = query.shape
+    h = key.shape[1]
+    w = min(window, n)
+    q = query[:, :, -w:].float().reshape(b, h, (hq // h) * w, d)
+    logits = q @ key.float().transpose(-1, -2) * scaling  # [B, H, g·w, n]
+    slots = torch.arange(n, device=key.device)
+    causal = slots.view(1, -1) <= torch.arange(n - w, n, device=key.device).repeat(hq // h).view(-1, 1)
+    valid = slots.view(1, -1) >= pad_count.view(-1, 1)  # [B, n]
+    visible = causal.view(1, 1, *causal.shape) & valid.view(b, 1, 1, n)
+    return masked_softmax(logits, visible).sum(2)
+
+
 def novelty_score(chunk: Chunk, basis_k: torch.Tensor, basis_v: torch.Tensor) -> torch.Tensor:
     """``[n]`` energy of each token's K and V outside the bases ``[r, W]`` (each side over its mean)."""
     score = torch.zeros(chunk.size, device=chunk.x_k.device)
