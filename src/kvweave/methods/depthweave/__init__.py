@@ -55,8 +55,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   multi-token step over the compressed cache (a question fed after the document, which attends over everything)
   gave the most attention, per layer and KV head (after a prompt prefilled whole: the attention of its last
   ``window`` queries, which hold the question when it is inside the prompt): those pages are attended at every
-  step until the next such step, whatever their bounds (:func:`.select.pin_pages`). ``decode_tokens=0`` is the previous path (every key rebuilt
-  every step, no summaries).
+  step until the next such step, whatever their bounds (:func:`.select.pin_pages`). ``decode_tokens=0`` is the
+  previous path (every key rebuilt every step, no summaries).
 - ``bits=8|4`` stores the token-side coordinates as integers, scales per column over groups of 64 rows;
   coefficients ``R`` (shared by every token) at 8 bits. 16-bit storage is float16 for float32 models.
 
@@ -357,6 +357,11 @@ class DepthWeave(Method):
         self.check_range("drift", 1.0)
         self.check_choice("storage", STORAGE_CHOICES)
         self.check_range("weighting", 0.0)
+
+    @property
+    def pinning(self) -> bool:
+        """Whether decode steps read pinned pages (``pin_tokens`` of a selective ``decode_tokens`` budget)."""
+        return self.pin_tokens > 0 and self.decode_tokens > 0
 
     @property
     def coefficient_bits(self) -> int:

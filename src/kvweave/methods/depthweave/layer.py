@@ -9,7 +9,7 @@ import torch
 from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.parts import DensePart, attend_parts
-from kvweave.methods.depthweave.router import observed_attention, prompt_mass
+from kvweave.methods.depthweave.router import pooled_attention, window_attention
 from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
 from kvweave.ops.masking import prompt_padding
 
@@ -35,8 +35,8 @@ class DepthWeaveLayer(CompressedLayer):
         # batch row -> pinned pages (``pin_tokens``): set by a multi-token step over the compressed cache, read by
         # the decode steps after it; derived from attention, so not saved (a loaded cache pins at its next one)
         self.pins: dict[int, Pins] = {}
-        # ``[B, H, n]`` attention of the prompt's last queries (a prompt prefilled whole, question inside): pins
-        # the first decode step's pages, then dropped
+        # ``[B, H, n]`` attention of the prompt's last queries during a prefill: pins the pages once the group's
+        # stores exist, then dropped (:meth:`pin_from_prompt`; never held between forward passes)
         self.prompt_mass: torch.Tensor | None = None
 
     @property
@@ -55,8 +55,6 @@ class DepthWeaveLayer(CompressedLayer):
         self.pins = {
             new: self.pins[int(old)] for new, old in enumerate(rows.tolist()) if int(old) in self.pins
         }
-        if self.prompt_mass is not None:
-            self.prompt_mass = self.prompt_mass[rows.to(self.prompt_mass.device)]
         self.recent.select_rows(rows)
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
@@ -83,11 +81,14 @@ class DepthWeaveLayer(CompressedLayer):
         if first == 0:  # prefill: exact attention, like every method; compression happens as the KV is stored
             self.pad_count = prompt_padding(attention_mask, self.rows, q_len, key.device)
             out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
-            if self.method.router or self.method.weighting > 0:
-                recent.score = observed_attention(query, key, self.pad_count, self.method.window, scaling)
-            if self.method.pin_tokens > 0 and self.method.decode_tokens > 0:
-                self.pins = {}
-                self.prompt_mass = prompt_mass(query, key, self.pad_count, self.method.window, scaling)
+            scores = self.method.router or self.method.weighting > 0
+            pins = self.method.pinning
+            if scores or pins:  # the last prompt queries' attention, once for both readers
+                probs = window_attention(query, key, self.pad_count, self.method.window, scaling)
+                if scores:
+                    recent.score = pooled_attention(probs)
+                if pins:
+                    self.pins, self.prompt_mass = {}, probs.sum(2)  # [B, H, n]
         else:
             out = self.compressed_attention(query, attention_mask, first, scaling)
         count = group.fold_count(self.layer_idx, first, self.seen)
@@ -143,8 +144,7 @@ class DepthWeaveLayer(CompressedLayer):
             pin = (
                 parts is None
                 and not selective
-                and self.method.pin_tokens > 0
-                and self.method.decode_tokens > 0
+                and self.method.pinning
                 and store is not None
                 and bool(store.segments)
             )

@@ -23,39 +23,35 @@ if TYPE_CHECKING:
 POOL = 5  # router: attention max-pooled over 5 neighbouring tokens so spans survive whole (SnapKV)
 
 
+def window_attention(
+    query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int, scaling: float
+) -> torch.Tensor:
+    """``[B, H, g·w, n]`` attention of the last ``w = min(window, n)`` prompt queries (the ``g`` query heads of
+    each KV head packed along the rows) over the prompt's tokens, causal, padding hidden."""
+    b, hq, n, d = query.shape
+    h = key.shape[1]
+    w = min(window, n)
+    q = query[:, :, -w:].float().reshape(b, h, (hq // h) * w, d)
+    logits = q @ key.float().transpose(-1, -2) * scaling  # [B, H, g·w, n]
+    slots = torch.arange(n, device=key.device)
+    causal = slots.view(1, -1) <= torch.arange(n - w, n, device=key.device).repeat(hq // h).view(-1, 1)
+    valid = slots.view(1, -1) >= pad_count.view(-1, 1)  # [B, n]
+    visible = causal.view(1, 1, *causal.shape) & valid.view(b, 1, 1, n)
+    return masked_softmax(logits, visible)
+
+
+def pooled_attention(probs: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` from :func:`window_attention`'s ``probs``: the mean attention each token got over every query
+    row and head, max-pooled over neighbours (SnapKV)."""
+    received = probs.sum(dim=(1, 2)) / (probs.shape[1] * probs.shape[2])  # [B, n]
+    return F.max_pool1d(received.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
+
+
 def observed_attention(
     query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int, scaling: float
 ) -> torch.Tensor:
     """``[B, n]`` attention the last ``window`` prompt queries pay each token (all heads, max-pooled)."""
-    b, hq, n, d = query.shape
-    h = key.shape[1]
-    w = min(window, n)
-    q = query[:, :, -w:].float().reshape(b, h, (hq // h) * w, d)
-    logits = q @ key.float().transpose(-1, -2) * scaling  # [B, H, g·w, n]
-    slots = torch.arange(n, device=key.device)
-    causal = slots.view(1, -1) <= torch.arange(n - w, n, device=key.device).repeat(hq // h).view(-1, 1)
-    valid = slots.view(1, -1) >= pad_count.view(-1, 1)  # [B, n]
-    visible = causal.view(1, 1, *causal.shape) & valid.view(b, 1, 1, n)
-    probs = masked_softmax(logits, visible)
-    received = probs.sum(dim=(1, 2)) / (hq * w)  # [B, n]
-    return F.max_pool1d(received.unsqueeze(1), POOL, stride=1, padding=POOL // 2).squeeze(1)
-
-
-def prompt_mass(
-    query: torch.Tensor, key: torch.Tensor, pad_count: torch.Tensor, window: int, scaling: float
-) -> torch.Tensor:
-    """``[B, H, n]`` attention the last ``window`` prompt queries pay each token, summed over those queries and
-    the query heads of each KV head (what ``pin_tokens`` pins at the first decode step after a whole prompt)."""
-    b, hq, n, d = query.shape
-    h = key.shape[1]
-    w = min(window, n)
-    q = query[:, :, -w:].float().reshape(b, h, (hq // h) * w, d)
-    logits = q @ key.float().transpose(-1, -2) * scaling  # [B, H, g·w, n]
-    slots = torch.arange(n, device=key.device)
-    causal = slots.view(1, -1) <= torch.arange(n - w, n, device=key.device).repeat(hq // h).view(-1, 1)
-    valid = slots.view(1, -1) >= pad_count.view(-1, 1)  # [B, n]
-    visible = causal.view(1, 1, *causal.shape) & valid.view(b, 1, 1, n)
-    return masked_softmax(logits, visible).sum(2)
+    return pooled_attention(window_attention(query, key, pad_count, window, scaling))
 
 
 def novelty_score(chunk: Chunk, basis_k: torch.Tensor, basis_v: torch.Tensor) -> torch.Tensor:
