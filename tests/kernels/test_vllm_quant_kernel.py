@@ -50,6 +50,13 @@ def _written(layout: QuantSlot, keys: torch.Tensor, values: torch.Tensor, ids: l
         (64, 64, 1, 1, 32, 16, 16, 0),  # every group finished, one value group per head
         (37, 32, 3, 2, 16, 8, 8, 8),  # a partial last block
         (5, 0, 2, 4, 16, 16, 16, 16),  # nothing quantized yet: every key from the residual
+        # head sizes 64 and 128 take the vectorized tile (AVX2 where built): query heads in 4s, 2s and 1s,
+        # tiles cut short by the key group, the block and the stored length
+        (300, 256, 2, 7, 64, 128, 64, 0),
+        (200, 192, 1, 5, 128, 64, 32, 32),
+        (77, 64, 2, 3, 64, 32, 16, 16),
+        (141, 128, 1, 8, 64, 128, 128, 64),
+        (70, 0, 1, 1, 128, 128, 128, 0),
     ],
 )
 def test_decode_matches_the_torch_path(bits, tokens, quantized, heads, groups, dim, block, key_group, group):

@@ -83,8 +83,7 @@ def test_one_write_spanning_more_blocks_than_the_residual_holds_keeps_them_all()
     blocks = torch.arange(5).repeat_interleave(4)
     offsets = torch.arange(4).repeat(5)
     key = torch.randn(20, 2, 8)
-    kept = residual.store(blocks, offsets, key)
-    assert bool(kept.all())
+    assert residual.store(blocks, offsets, key) is None, "every token kept"
     rows = residual.rows_of(torch.arange(5))
     assert len(set(rows.tolist())) == 5, "every block of the write has its own row"
     assert torch.equal(residual.keys[rows[3], :, 2], key[3 * 4 + 2])
@@ -639,11 +638,23 @@ def test_quant_decode_rows_of_one_step_match_the_torch_path_row_by_row(
     )
     key, value, query = torch.stack(new_keys), torch.stack(new_values), torch.randn(3, 4, 64)
     impl.do_kv_cache_update(None, key, value, cache, meta.slot_mapping)
+    # the same rows with a request between them that has no new token this step: the decode rows are then not
+    # one run of the batch (gathered, not sliced)
+    gapped = KvweaveMetadata(
+        num_actual_tokens=3,
+        query_start=[0, 1, 1, 2, 3],
+        seq_lens=[lengths[0] + 1, 7, lengths[1] + 1, lengths[2] + 1],
+        block_table=torch.stack([tables[0], tables[0], tables[1], tables[2]]),
+        slot_mapping=meta.slot_mapping,
+    )
     outs = {}
     for fused in (True, False):
         impl.pin_decode("cpu", fused=fused, factored=True)
         outs[fused] = impl.forward(None, query, key, value, cache, meta, torch.empty(3, 4, 64))
+        outs[fused, "gapped"] = impl.forward(None, query, key, value, cache, gapped, torch.empty(3, 4, 64))
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[True, "gapped"], outs[False], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[False, "gapped"], outs[False], rtol=1e-4, atol=1e-4)
 
 
 def test_decode_step_benchmark_writes_a_row_per_path_close_to_vllms_attention(tmp_path: Path) -> None:

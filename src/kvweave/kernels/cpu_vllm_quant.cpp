@@ -7,6 +7,11 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVW_AVX2 1
+#endif
+
 // Decode attention of a layer's decode rows straight from kvweave's packed vLLM blocks (QuantSlot layout): per
 // slot [key codes (C bytes) | value codes (C) | value scale, min (float16, VG each) | tail]; a block's tails,
 // read in slot order from byte `start`, begin with its key groups' headers (float16 scale [D], minimum [D]
@@ -58,6 +63,113 @@ static inline float exp_neg(float x) {
   return p * scale;
 }
 
+#ifdef KVW_AVX2
+// The hot loops of a tile with AVX2 + FMA intrinsics (16 vector registers): what the compiler's own
+// vectorization of the portable loops left as scalar exponentials and spilled accumulators. Same arithmetic
+// (float32, the same exponential polynomial), in the same order per output lane.
+static inline __m256 exp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 fi = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, fi);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The tile's key codes as floats, channel-major: kt[d, t] for channel d (byte d / PB, its (d % PB)-th code), tokens t < T (lanes past T
+// repeat token T - 1). One gather reads 4 code bytes of 8 tokens (slots `slot_bytes` apart), which are then
+// 4 * 8 / BITS channels of those 8 tokens: shifts and masks, no byte transposition.
+template <int BITS, int64_t TILE>
+static inline void unpack_keys_avx2(const uint8_t* first, int64_t slot_bytes, int64_t T, int64_t C, float* kt) {
+  constexpr int PB = 8 / BITS;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  for (int64_t t8 = 0; t8 < T; t8 += 8) {
+    alignas(32) int32_t idx[8];
+    for (int i = 0; i < 8; ++i) idx[i] = static_cast<int32_t>(std::min<int64_t>(t8 + i, T - 1) * slot_bytes);
+    const __m256i at = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+    for (int64_t w = 0; w < C; w += 4) {
+      const __m256i word = _mm256_i32gather_epi32(reinterpret_cast<const int*>(first + w), at, 1);
+      for (int i = 0; i < 4; ++i)
+        for (int p = 0; p < PB; ++p) {
+          const __m128i shift = _mm_cvtsi32_si128(8 * i + p * BITS);
+          const __m256i code = _mm256_and_si256(_mm256_srl_epi32(word, shift), mask);
+          _mm256_storeu_ps(kt + ((w + i) * PB + p) * TILE + t8, _mm256_cvtepi32_ps(code));
+        }
+    }
+  }
+}
+
+// x[g, t] = q[g] . kt[:, t] for NG query heads and 32 tokens from t0: NG x 4 accumulators in registers, each
+// key row loaded once for the NG heads.
+template <int NG, int64_t TILE>
+static inline void logits_avx2(const float* q, const float* kt, int64_t D, int64_t t0, float* x) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* kd = kt + d * TILE + t0;
+    const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+    const __m256 k2 = _mm256_loadu_ps(kd + 16), k3 = _mm256_loadu_ps(kd + 24);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_broadcast_ss(q + g * D + d);
+      a[g][0] = _mm256_fmadd_ps(w, k0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(w, k1, a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(w, k2, a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(w, k3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(x + g * TILE + t0 + 8 * c, a[g][c]);
+}
+
+// acc[g, :] += sum over t < T of p[g, t] * v[t, :] for NG query heads: NG x 2 accumulators (16 channels) in
+// registers, each value row loaded once for the NG heads.
+template <int NG>
+static inline void accumulate_avx2(const float* p, int64_t stride, const float* v, float* acc, int64_t T,
+                                   int64_t D) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m256 a[NG][2];
+    for (int g = 0; g < NG; ++g) {
+      a[g][0] = _mm256_loadu_ps(acc + g * D + c);
+      a[g][1] = _mm256_loadu_ps(acc + g * D + c + 8);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(v + t * D + c), v1 = _mm256_loadu_ps(v + t * D + c + 8);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * stride + t);
+        a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm256_storeu_ps(acc + g * D + c, a[g][0]);
+      _mm256_storeu_ps(acc + g * D + c + 8, a[g][1]);
+    }
+  }
+}
+#endif
+
 struct Item {
   int64_t row, head, b_first, b_end;
 };
@@ -74,6 +186,16 @@ struct Shape {
 template <int DIM>
 static inline void accumulate(const float* p, int64_t stride, const float* v, float* acc, int64_t G, int64_t T,
                               int64_t D) {
+#ifdef KVW_AVX2
+  if constexpr (DIM > 0 && DIM % 16 == 0) {
+    int64_t g0 = 0;
+    for (; g0 + 4 <= G; g0 += 4) accumulate_avx2<4>(p + g0 * stride, stride, v, acc + g0 * DIM, T, DIM);
+    if (G - g0 == 3) accumulate_avx2<3>(p + g0 * stride, stride, v, acc + g0 * DIM, T, DIM);
+    if (G - g0 == 2) accumulate_avx2<2>(p + g0 * stride, stride, v, acc + g0 * DIM, T, DIM);
+    if (G - g0 == 1) accumulate_avx2<1>(p + g0 * stride, stride, v, acc + g0 * DIM, T, DIM);
+    return;
+  }
+#endif
   if constexpr (DIM > 0) {
     constexpr int64_t GB = DIM <= 64 ? 4 : 2;
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
@@ -160,16 +282,23 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
           qm[g] = dot;
         }
         qeff = qs.data();
-        for (int64_t t = 0; t < T; ++t) {
-          const uint8_t* slot = block + (t0 + t) * SLOT;
-          for (int64_t j = 0; j < C; ++j) cb[j * TILE + t] = slot[j];
-        }
-        for (int64_t j = 0; j < C; ++j) {
-          const uint8_t* src = cb.data() + j * TILE;
-          for (int p = 0; p < PB; ++p) {
-            float* dst = kt.data() + (j * PB + p) * TILE;
+#ifdef KVW_AVX2
+        if (DIM > 0 && C % 4 == 0) {
+          unpack_keys_avx2<BITS, TILE>(block + t0 * SLOT, SLOT, T, C, kt.data());
+        } else
+#endif
+        {
+          for (int64_t t = 0; t < T; ++t) {
+            const uint8_t* slot = block + (t0 + t) * SLOT;
+            for (int64_t j = 0; j < C; ++j) cb[j * TILE + t] = slot[j];
+          }
+          for (int64_t j = 0; j < C; ++j) {
+            const uint8_t* src = cb.data() + j * TILE;
+            for (int p = 0; p < PB; ++p) {
+              float* dst = kt.data() + (j * PB + p) * TILE;
 #pragma omp simd
-            for (int64_t t = 0; t < TILE; ++t) dst[t] = static_cast<float>((src[t] >> (p * BITS)) & MASK);
+              for (int64_t t = 0; t < TILE; ++t) dst[t] = static_cast<float>((src[t] >> (p * BITS)) & MASK);
+            }
           }
         }
       }
@@ -197,6 +326,21 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
           }
         }
       }
+#ifdef KVW_AVX2
+      if constexpr (DIM > 0) {  // logits [g, t] = q_eff[g] . kt[:, t], 32 tokens and two query heads at a time
+        for (int64_t h = 0; h < T; h += 32) {
+          int64_t g0 = 0;
+          for (; g0 + 2 <= G; g0 += 2) logits_avx2<2, TILE>(qeff + g0 * D, kt.data(), D, h, x.data() + g0 * TILE);
+          if (g0 < G) logits_avx2<1, TILE>(qeff + g0 * D, kt.data(), D, h, x.data() + g0 * TILE);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float add = exact ? 0.f : qm[g];
+          float* xg = x.data() + g * TILE;
+#pragma omp simd
+          for (int64_t t = 0; t < T; ++t) xg[t] = (xg[t] + add) * s.scale;
+        }
+      } else
+#endif
       for (int64_t g0 = 0; g0 < G; g0 += LG) {  // logits [g, t] = q_eff[g] . kt[:, t] (+ the minima's dot)
         int64_t gs[LG];  // LG query heads share each row of kt (the last block repeats its last head)
         for (int64_t k = 0; k < LG; ++k) gs[k] = std::min(g0 + k, G - 1);
@@ -219,25 +363,41 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
       }
       for (int64_t g = 0; g < G; ++g) {
         float* xg = x.data() + g * TILE;
-        float top = m[g];
-        for (int64_t t = 0; t < T; ++t) top = std::max(top, xg[t]);
+        float top = m[g], sum = 0.f, low = 0.f;
+        int64_t t = 0;
+#ifdef KVW_AVX2
+        {
+          __m256 vtop = _mm256_set1_ps(top);
+          for (; t + 8 <= T; t += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(xg + t));
+          top = hmax8(vtop);
+        }
+#endif
+        for (; t < T; ++t) top = std::max(top, xg[t]);
         const float alpha = exp_neg(m[g] - top);  // ~0 when m was -inf, and l, acc are 0 then
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < T; ++t) {
-          const float p = exp_neg(xg[t] - top);
-          xg[t] = p;
-          sum += p;
-        }
-        if (VG == 1) {  // sum of p * (code * scale + min): the minima's part apart, the scales into p
-          float low = 0.f;
-#pragma omp simd reduction(+ : low)
-          for (int64_t t = 0; t < T; ++t) {
-            low += xg[t] * vmin[t];
-            xg[t] *= vscale[t];
+        t = 0;
+#ifdef KVW_AVX2
+        {
+          const __m256 vtop = _mm256_set1_ps(top);
+          __m256 vsum = _mm256_setzero_ps(), vlow = _mm256_setzero_ps();
+          for (; t + 8 <= T; t += 8) {
+            __m256 p = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(xg + t), vtop));
+            vsum = _mm256_add_ps(vsum, p);
+            if (VG == 1) {  // sum of p * (code * scale + min): the minima's part apart, the scales into p
+              vlow = _mm256_fmadd_ps(p, _mm256_loadu_ps(vmin.data() + t), vlow);
+              p = _mm256_mul_ps(p, _mm256_loadu_ps(vscale.data() + t));
+            }
+            _mm256_storeu_ps(xg + t, p);
           }
-          msum[g] = msum[g] * alpha + low;
+          sum = hsum8(vsum), low = hsum8(vlow);
         }
+#endif
+        for (; t < T; ++t) {
+          const float p = exp_neg(xg[t] - top);
+          sum += p;
+          if (VG == 1) low += p * vmin[t];
+          xg[t] = VG == 1 ? p * vscale[t] : p;
+        }
+        if (VG == 1) msum[g] = msum[g] * alpha + low;
         float* ag = acc + g * D;
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) ag[i] *= alpha;

@@ -25,7 +25,7 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.attention import attention_with_lse, merge_parts
 
-_NAME = "kvweave_cpu_vllm_quant_v5"
+_NAME = "kvweave_cpu_vllm_quant_v6"
 _SOURCE = source("cpu_vllm_quant.cpp")
 _CPP_DECL = (
     "std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
@@ -81,7 +81,8 @@ def decode_rows(
     cached_t = _longs(cached)
     if item_blocks is None:
         block_size = pages.shape[2]
-        work = int(((cached_t + block_size - 1) // block_size).sum()) * queries.shape[1]
+        lengths = cached if isinstance(cached, list) else cached_t.tolist()
+        work = sum((n + block_size - 1) // block_size for n in lengths) * queries.shape[1]
         item_blocks = max(1, -(-work // (8 * torch.get_num_threads())))
     none = torch.empty(0)
     out, lse = module.vllm_quant_decode_rows(

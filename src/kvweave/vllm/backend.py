@@ -67,6 +67,7 @@ ENV_KERNEL = "KVWEAVE_VLLM_KERNEL"
 """``auto`` (default: the fused C++ decode kernel for ``quant`` when it builds; ``depthweave`` decode rows weight
 value coordinates) or ``torch`` (the reference: dequantize, resp. rebuild, every stored token, then attend)."""
 QUANT_DECODE = Kernel("vllm quant decode attention", cpp="kvweave.kernels.cpu_vllm_quant")
+_FEW = 64  # tokens or rows up to which a step's bookkeeping runs on Python ints instead of small tensor ops
 QUERY_CHUNK = 1024  # query rows per SDPA call in prefill chunks that read cached tokens (bounds the mask)
 
 STATS: dict[str, int] = {
@@ -256,11 +257,14 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             return
         pages = kv_cache.view(torch.uint8)  # [blocks, H, block_size, C]
         count = min(slot_mapping.shape[0], key.shape[0])
-        slots = slot_mapping[:count].long()
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[:count][keep], value[:count][keep]
-        if slots.numel() == 0:
+        if count == 0:
             return
+        slots, key, value = slot_mapping[:count].long(), key[:count], value[:count]
+        if int(slots.min()) < 0:  # padding slots (-1): dropped; a step without any skips the masking
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+            if slots.numel() == 0:
+                return
         block_size = pages.shape[2]
         blocks, offsets = slots // block_size, slots % block_size
         if isinstance(layout, PageSlot):
@@ -276,7 +280,9 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             pages[blocks, :, offsets, code : code + layout.value_bytes] = layout.pack_values(value)
         residual = self._key_residual(key, block_size)
         kept = residual.store(blocks, offsets, key)
-        self._quantize_finished_groups(pages, layout, residual, blocks[kept], offsets[kept])
+        if kept is not None:
+            blocks, offsets = blocks[kept], offsets[kept]
+        self._quantize_finished_groups(pages, layout, residual, blocks, offsets)
 
     def _key_residual(self, key: torch.Tensor, block_size: int) -> KeyResidual:
         if self.residual is None:
@@ -296,6 +302,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         """Quantize (per channel) every key group whose last token was just written, from the residual's exact
         keys; free the residual row of every block that is now full."""
         size = layout.key_group
+        if offsets.numel() <= _FEW and all(o % size != size - 1 for o in offsets.tolist()):
+            return  # the common decode step: no group finished (Python on a few ints beats tensor ops)
         last = offsets % size == size - 1
         if not bool(last.any()):
             return
@@ -468,21 +476,28 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         fused kernel: each row's stored tokens from its blocks, its new token exact, merged in the kernel."""
         from kvweave.kernels import cpu_vllm_quant
 
-        heads, block_size = self.num_kv_heads, pages.shape[2]
-        picked = torch.tensor(rows)
-        at = torch.tensor(meta.query_start[:-1])[picked]
-        seq_lens = torch.tensor(meta.seq_lens)[picked]
-        cached = seq_lens - 1
-        quantized = seq_lens // layout.key_group * layout.key_group  # tokens in finished key groups
-        table = meta.block_table[picked]
-        res_rows = torch.full((len(rows),), -1, dtype=torch.long)
-        unfinished = (quantized < cached).nonzero().flatten()  # rows whose newest key group waits exact
+        heads, block_size, size = self.num_kv_heads, pages.shape[2], layout.key_group
+        starts = [meta.query_start[r] for r in rows]
+        seq_lens = [meta.seq_lens[r] for r in rows]
+        cached = [n - 1 for n in seq_lens]
+        quantized = [n // size * size for n in seq_lens]  # tokens in finished key groups
+        # decode rows come first in vLLM's batch and are usually contiguous: slices, not gathers
+        run = rows == list(range(rows[0], rows[0] + len(rows))) and starts == list(
+            range(rows[0], rows[0] + len(rows))
+        )
+        at: slice | torch.Tensor = slice(starts[0], starts[0] + len(rows)) if run else torch.tensor(starts)
+        table = (
+            meta.block_table[rows[0] : rows[0] + len(rows)] if run else meta.block_table[torch.tensor(rows)]
+        )
+        res_rows = [-1] * len(rows)
+        unfinished = [i for i in range(len(rows)) if quantized[i] < cached[i]]  # newest key group waits exact
         residual = None
-        if unfinished.numel():
+        if unfinished:
             assert self.residual is not None
-            blocks = table[unfinished, quantized[unfinished] // block_size]
+            blocks = table[unfinished, [quantized[i] // block_size for i in unfinished]]
             residual = self.residual.keys[self.residual.rows_of(blocks)]  # [U, H, block_size, D]: only these
-            res_rows[unfinished] = torch.arange(unfinished.numel())
+            for j, i in enumerate(unfinished):
+                res_rows[i] = j
         queries = query[at].view(len(rows), heads, self.group_size, -1)
         out, _ = cpu_vllm_quant.decode_rows(
             queries,
@@ -497,7 +512,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             self.scale,
         )
         output[at] = out.reshape(len(rows), self.num_heads, -1).to(output.dtype)
-        held = int(((cached + block_size - 1) // block_size).sum())
+        held = sum((n + block_size - 1) // block_size for n in cached)
         _add_stats(blocks_read=held * heads, blocks_held=held * heads, fused_decode_rows=len(rows))
 
     def _stored(
@@ -625,7 +640,9 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 _keep_worst_exact(pages, layout, blocks, offsets, error, k_exact, v_exact)
             for residual, exact in zip(self.recent, (k_exact, v_exact), strict=True):
                 kept = residual.store(blocks, offsets, exact)
-                full = kept & (offsets == block_size - 1)
+                full = offsets == block_size - 1
+                if kept is not None:
+                    full &= kept
                 residual.release(blocks[full])
         if changed:
             _weave_side(id(self), len(self.bases.entries), self.bases.nbytes())
@@ -760,10 +777,11 @@ class KeyResidual:
         self.max_rows = 2 * max_requests
         self.step = 0
 
-    def store(self, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    def store(self, blocks: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
         """Keep ``key: [N, H, D]`` of tokens at ``(blocks, offsets)``; a block's first write (offset 0) takes
-        a new row. Returns the mask of tokens kept: a write into a block with no row that does not start it is
-        vLLM recomputing a token of a full, prefix-cached block (its last prompt token), already quantized."""
+        a new row. Returns the mask of tokens kept, ``None`` if all were: a write into a block with no row that
+        does not start it is vLLM recomputing a token of a full, prefix-cached block (its last prompt token),
+        already quantized."""
         self.step += 1
         skipped = []
         for block, first in zip(*_first_offsets(blocks, offsets), strict=True):
@@ -780,11 +798,10 @@ class KeyResidual:
                 skipped.append(block)
                 continue
             self.last_write[self.row_of[block]] = self.step
-        kept = (
-            ~torch.isin(blocks, torch.tensor(skipped, dtype=blocks.dtype))
-            if skipped
-            else torch.ones_like(blocks, dtype=torch.bool)
-        )
+        if not skipped:
+            self.keys[self.rows_of(blocks), :, offsets] = key.to(self.keys.dtype)
+            return None
+        kept = ~torch.isin(blocks, torch.tensor(skipped, dtype=blocks.dtype))
         rows = self.rows_of(blocks[kept])
         self.keys[rows, :, offsets[kept]] = key[kept].to(self.keys.dtype)
         return kept
@@ -953,7 +970,13 @@ def _rope_inv_freq(head_size: int) -> torch.Tensor | None:
 
 
 def _first_offsets(blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[list[int], list[int]]:
-    """The distinct blocks written and the smallest offset written in each."""
+    """The distinct blocks written (ascending) and the smallest offset written in each."""
+    if blocks.numel() <= _FEW:  # a decode step: a few Python ints beat unique + scatter
+        smallest: dict[int, int] = {}
+        for block, offset in zip(blocks.tolist(), offsets.tolist(), strict=True):
+            smallest[block] = min(offset, smallest.get(block, offset))
+        touched_list = sorted(smallest)
+        return touched_list, [smallest[b] for b in touched_list]
     touched, inverse = torch.unique(blocks, return_inverse=True)
     first = torch.full_like(touched, 1 << 30).scatter_reduce(0, inverse, offsets, reduce="amin")
     return touched.tolist(), first.tolist()
