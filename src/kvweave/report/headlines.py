@@ -256,7 +256,11 @@ HEADLINES: dict[str, Headline] = {
             kvweave_spec=False,
         )
         for short, method, kernel in (("none", "none", None), ("q4", "quant:bits=4", "auto"))
-        for point, folder in (("c32v4", "load-2k-v4"), ("c32t256", "load-2k-256"))
+        for point, folder in (
+            ("c32v4", "load-2k-v4"),
+            ("c32t256", "load-2k-256"),
+            ("c32t256v6", "load-2k-256-v6"),
+        )
     },
     **{
         f"vllm-step-{short}-{tokens // 1024}k-r{rows}": Headline(
@@ -277,6 +281,28 @@ HEADLINES: dict[str, Headline] = {
         for tokens in (2048, 4096)
         for rows in (1, 32)
         if rows == 32 or not short.startswith("dw")
+    },
+    **{  # the v6 kernel (AVX2 tile) and the step's bookkeeping on Python ints, twelfth session
+        f"vllm-step6-{short}-{tokens // 1024}k-r{rows}{suffix}": Headline(
+            "docs/data/vllm/decode-step-quant-v6.jsonl",
+            method,
+            field,
+            fmt,
+            (("path", path), ("tokens", tokens), ("rows", rows)),
+            kvweave_spec=False,
+        )
+        for short, method, path in (
+            ("none", "none", "vllm"),
+            ("q4", "quant:bits=4", "fused"),
+            ("q2", "quant:bits=2", "fused"),
+        )
+        for tokens in (2048, 4096)
+        for rows in (1, 32)
+        for suffix, field, fmt in (
+            ("", "ms_per_step", "{:.2f}" if rows == 1 else "{:.1f}"),
+            ("-vs", "vs_vllm", "{:.2f}x"),
+        )
+        if suffix == "" or short != "none"
     },
     **{
         f"vllm-{short}-kv-tokens": Headline(
