@@ -7,7 +7,10 @@ The vLLM backend (:mod:`kvweave.vllm.backend`) stores KIVI codes in vLLM's paged
 step attends every decode row of a layer over its stored tokens and its new one (exact) in one call,
 :func:`decode_rows`: pieces of about equal work (row, KV head, run of blocks) in parallel, each an online
 softmax in float32 over codes that are never dequantized (a key group's scale is folded into the query), then
-one merge per row and head. :func:`decode` is the same for one request without the new token.
+one merge per row and head. Where the build has AVX2 and FMA (``-march=native``) and the head size is 64 or 128,
+a tile's hot loops are intrinsics: key codes gathered 8 tokens at a time, logits and value sums accumulated in
+registers, the exponentials 8 lanes at a time; elsewhere the same arithmetic runs as portable loops.
+:func:`decode` is the same for one request without the new token.
 
 :func:`decode_reference` and :func:`decode_rows_reference` are the torch paths it is tested against (the
 backend's own: unpack the blocks with the layout, then :func:`kvweave.ops.attention.attention_with_lse`). Built on first use like
