@@ -595,6 +595,35 @@ def test_recent_share_changes_nothing_before_its_threshold(model):
     assert torch.equal(outs[0], outs[1]) and held[0] == held[1]
 
 
+def test_pin_window_sets_which_prompt_queries_pin_pages(model):
+    """``pin_window``: after a prompt prefilled whole, the pages are pinned from the attention of its last
+    ``pin_window`` queries (0: the router's ``window``); the router's own scores keep their window."""
+    options = {**SMALL, "decode_tokens": 8, "page": 4, "group": 2, "pin_tokens": 4}
+    ids = _ids(96)
+
+    def prompt_pins(**extra):
+        cache = kvweave.make_cache("depthweave", model, **options, **extra)
+        model(ids, use_cache=True, **{cache_kwarg(model): cache})
+        pins = [layer.pins[0] for layer in cache.layers]
+        return [{key: flags.clone() for key, flags in p.items()} for p in pins], cache.nbytes()
+
+    default, default_bytes = prompt_pins()
+    same, same_bytes = prompt_pins(pin_window=SMALL["window"])
+    whole, whole_bytes = prompt_pins(pin_window=96)
+    assert default_bytes == same_bytes == whole_bytes  # the router and the stores do not depend on it
+
+    def equal(a, b):
+        return all(
+            x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            for x, y in zip(a, b, strict=True)
+        )
+
+    assert equal(default, same)
+    assert not equal(default, whole)  # every query of the prompt pins other pages than its last 8
+    with pytest.raises(ValueError, match="pin_window"):
+        kvweave.make_cache("depthweave", model, pin_window=-1)
+
+
 def test_pinned_pages_are_the_ones_a_multi_token_step_attended_and_every_decode_step_reads_them(model):
     """``pin_tokens``: a multi-token step over the compressed cache (a question after the document) pins, per
     layer and KV head, the pages its queries gave the most attention, and the decode steps after it choose those

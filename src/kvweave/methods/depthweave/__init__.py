@@ -256,6 +256,12 @@ class DepthWeave(Method):
         "after a prompt prefilled whole, its last window queries attended most; 0: none",
         tuning=True,
     )
+    pin_window: int = option(
+        0,
+        "last prompt queries whose attention pins pages after a prompt prefilled whole (pin_tokens); 0: the "
+        "router's window",
+        tuning=True,
+    )
     kernel: str = option(
         "auto",
         "selective decode: cpp (fused C++ CPU kernel on the packed coordinates), triton (fused Triton kernels, "
@@ -315,6 +321,7 @@ class DepthWeave(Method):
         ({"decode_tokens": -1}, "decode_tokens"),
         ({"page": 0}, "page"),
         ({"pin_tokens": -1}, "pin_tokens"),
+        ({"pin_window": -1}, "pin_window"),
         ({"kernel": "cuda"}, "kernel"),
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
@@ -333,6 +340,7 @@ class DepthWeave(Method):
         self.check_range("decode_tokens", 0)
         self.check_range("page", 1)
         self.check_range("pin_tokens", 0)
+        self.check_range("pin_window", 0)
         self.check_choice("kernel", list(BACKENDS))
         self.check_choice("page_choice", ["max", "fair", "mass"])
         self.check_range("probe", 1)

@@ -83,12 +83,16 @@ class DepthWeaveLayer(CompressedLayer):
             out = self.prompt_attention(module, query, key, value, attention_mask, **kwargs)
             scores = self.method.router or self.method.weighting > 0
             pins = self.method.pinning
-            if scores or pins:  # the last prompt queries' attention, once for both readers
-                probs = window_attention(query, key, self.pad_count, self.method.window, scaling)
-                if scores:
-                    recent.score = pooled_attention(probs)
-                if pins:
-                    self.pins, self.prompt_mass = {}, probs.sum(2)  # [B, H, n]
+            window = self.method.window
+            span = self.method.pin_window or window  # the queries whose attention pins pages
+            probs = None
+            if scores:  # the last prompt queries' attention, once for both readers when their windows agree
+                probs = window_attention(query, key, self.pad_count, window, scaling)
+                recent.score = pooled_attention(probs)
+            if pins:
+                if probs is None or span != window:
+                    probs = window_attention(query, key, self.pad_count, span, scaling)
+                self.pins, self.prompt_mass = {}, probs.sum(2)  # [B, H, n]
         else:
             out = self.compressed_attention(query, attention_mask, first, scaling)
         count = group.fold_count(self.layer_idx, first, self.seen)
