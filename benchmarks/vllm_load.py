@@ -324,7 +324,13 @@ def main(argv: list[str] | None = None) -> int:
         help="leave vLLM's prefix caching on (off by default: the passkey prompts share their filler, and shared "
         "blocks would let vLLM's own cache hold more requests than their KV bytes say)",
     )
-    parser.add_argument("--max-model-len", type=int, default=0, help="default: context + 256")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="default: context + tokens + 256 (the prompts run a little past --context; a smaller limit stops "
+        "generation early, which rows show as output_tokens below requests x tokens)",
+    )
     parser.add_argument(
         "--dtype", default="float32", help="float32 on CPUs without bf16 hardware (docs/vllm.md)"
     )
@@ -350,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if not concurrency or min(concurrency) < 1:
         parser.error("--concurrency needs positive integers, e.g. 1,4,16")
     args.concurrency = concurrency
-    args.max_model_len = args.max_model_len or args.context + 256
+    args.max_model_len = args.max_model_len or args.context + args.tokens + 256
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:  # a bad spec fails before any server starts
         if method != "none":
@@ -387,12 +393,20 @@ def main(argv: list[str] | None = None) -> int:
                     "context": args.context, "prompt_tokens": statistics.mean(len(ids) for ids, _ in samples),
                     "max_tokens": args.tokens, "dtype": args.dtype, "kv_space_gib": args.kv_space,
                     "ignore_eos": args.ignore_eos, "prefix_caching": args.prefix_caching,
+                    "max_model_len": args.max_model_len,
                     "kv_tokens": capacity, **point, "versions": versions(), "time": time.strftime("%F %T"),
                     # the decode kernel kvweave's quant ran (KVWEAVE_VLLM_KERNEL: auto = fused C++, torch)
                     "kernel": None if method == "none" else os.environ.get("KVWEAVE_VLLM_KERNEL", "auto"),
                 }  # fmt: skip
                 with rows_path.open("a") as handle:
                     handle.write(json.dumps(row) + "\n")
+                if args.ignore_eos and point["output_tokens"] < point["completed"] * args.tokens:
+                    print(
+                        f"vllm_load: {point['output_tokens']} output tokens for {point['completed']} requests of "
+                        f"{args.tokens}: --max-model-len {args.max_model_len} stopped them early; raise it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 print(
                     json.dumps({k: v for k, v in row.items() if k not in ("predictions", "versions")}),
                     flush=True,

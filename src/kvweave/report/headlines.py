@@ -260,6 +260,7 @@ HEADLINES: dict[str, Headline] = {
             ("c32v4", "load-2k-v4"),
             ("c32t256", "load-2k-256"),
             ("c32t256v6", "load-2k-256-v6"),
+            ("c32t256v6b", "load-2k-256-v6-rerun"),
         )
     },
     **{
