@@ -657,6 +657,49 @@ def test_quant_decode_rows_of_one_step_match_the_torch_path_row_by_row(
     torch.testing.assert_close(outs[False, "gapped"], outs[False], rtol=1e-4, atol=1e-4)
 
 
+def test_quant_few_token_write_is_the_tensor_paths_byte_for_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of two requests through the write hook's few-token path (one C++ call for values and
+    residual keys, slots as Python ints) and through its tensor path: the same page bytes and the same exact
+    keys, across finished key groups and a full block, with a padding slot in every step."""
+    from kvweave.vllm.backend import KeyResidual
+
+    block, prompt, steps = 128, 100, 60  # key groups finish at 128 and 192 tokens; block 0 fills at 128
+    torch.manual_seed(5)
+    keys = torch.randn(2, prompt + steps, 2, 64) * torch.linspace(0.5, 3, 64)
+    values = torch.randn(2, prompt + steps, 2, 64)
+    tables = [torch.tensor([3, 0]).int(), torch.tensor([1, 4]).int()]
+    held: dict[bool, tuple[torch.Tensor, KeyResidual]] = {}
+    for fused in (True, False):
+        impl = _impl("quant:bits=4,key_group=64", monkeypatch)
+        impl.pin_decode("cpu", fused=fused, factored=True)
+        cache = torch.zeros(6, 2, block, QuantSlot.of(impl.method, 64, block).nbytes // 4)
+        for r in range(2):
+            feed(
+                impl,
+                cache,
+                tables[r],
+                keys[r, :prompt],
+                values[r, :prompt],
+                [prompt],
+                lambda c: torch.randn(c, 4, 64),
+            )
+        for t in range(prompt, prompt + steps):
+            slots = torch.stack(
+                [slots_of(tables[r], block, t + 1)[-1] for r in range(2)] + [torch.tensor(-1)]
+            )
+            pad = torch.zeros(1, 2, 64)
+            impl.do_kv_cache_update(
+                None, torch.cat([keys[:, t], pad]), torch.cat([values[:, t], pad]), cache, slots
+            )
+        held[fused] = cache, impl.residual
+    (few, few_res), (tensor, tensor_res) = held[True], held[False]
+    assert torch.equal(few.view(torch.uint8), tensor.view(torch.uint8))
+    assert few_res.row_of.keys() == tensor_res.row_of.keys() == {0, 4}, "full blocks released their rows"
+    for b in (0, 4):
+        row_few, row_tensor = few_res.row_of[b], tensor_res.row_of[b]
+        assert torch.equal(few_res.keys[row_few, :, :32], tensor_res.keys[row_tensor, :, :32])
+
+
 def test_decode_step_benchmark_writes_a_row_per_path_close_to_vllms_attention(tmp_path: Path) -> None:
     """``benchmarks/vllm_decode_op.py`` at a small point (no engine): a row for every (method, path), each
     output close to vLLM's own exact attention over the same keys and values, and the paths of one method

@@ -31,8 +31,9 @@
 // minimum into one running sum per query head.
 //
 // q: [R, H, G, D] f32 (each row's query heads, packed per KV head); k_new, v_new: [R, H, D] f32 or empty;
-// pages: [NB, H, BS, SLOT] uint8; table: [R, W] int64 block ids; cached, quantized, res_row: [R] int64
-// (res_row: the row's residual row, -1 for none); residual: [X, H, BS, D] f32 or empty. Returns
+// pages: [NB, H, BS, SLOT] uint8; table: [R, W] block ids (int32 as vLLM keeps them, or int64); cached,
+// quantized, res_row: one int each per row (res_row: the row's residual row, -1 for none); residual:
+// [X, H, BS, D] f32 or empty. Returns
 // out [R, H, G, D] f32 and lse [R, H, G] f32 (natural log of the scaled logits' sum; -inf where nothing
 // was attended).
 
@@ -227,6 +228,27 @@ static inline void accumulate(const float* p, int64_t stride, const float* v, fl
   }
 }
 
+// One thread's working buffers for attend_item, kept between items and calls (vector growth zero-fills; what
+// an item reads it writes first, except lanes past a tile's tokens, which no result reads).
+struct Scratch {
+  std::vector<float> qs, qm, kscale, kmin, kt, vv, x, vscale, vmin, msum;
+  std::vector<uint8_t> cb, header;
+  void fit(int64_t G, int64_t D, int64_t C, int64_t TILE) {
+    for (auto* v : {&qs, &x}) v->resize(std::max<size_t>(v->size(), G * std::max(D, TILE)));
+    for (auto* v : {&qm, &msum}) v->resize(std::max<size_t>(v->size(), G));
+    for (auto* v : {&kscale, &kmin}) v->resize(std::max<size_t>(v->size(), D));
+    for (auto* v : {&kt, &vv}) v->resize(std::max<size_t>(v->size(), D * TILE));
+    for (auto* v : {&vscale, &vmin}) v->resize(std::max<size_t>(v->size(), TILE));
+    cb.resize(std::max<size_t>(cb.size(), C * TILE));
+    header.resize(std::max<size_t>(header.size(), 4 * D));
+  }
+};
+
+static Scratch& scratch() {
+  thread_local Scratch buffers;
+  return buffers;
+}
+
 template <int BITS, int DIM>  // DIM: the head size fixed at compile time (loops unrolled), 0 for any
 static void attend_item(const Item& it, const Shape& s, const float* q, const uint8_t* pages, const int64_t* ids,
                         int64_t cached, int64_t quantized, const float* res, float* m, float* l, float* acc) {
@@ -242,9 +264,12 @@ static void attend_item(const Item& it, const Shape& s, const float* q, const ui
   const int64_t J = D / PB;  // code bytes per token: planar index p * J + j is channel j * PB + p
   const int64_t start = C + s.value_bytes, tail = SLOT - start;
   const int64_t VG = D / s.group, seg = s.group / PB;  // value group vg covers planar j in [vg*seg, (vg+1)*seg)
-  std::vector<float> qs(G * D), qm(G), kscale(D), kmin(D);
-  std::vector<float> kt(D * TILE, 0.f), vv(TILE * D), x(G * TILE), vscale(TILE), vmin(TILE), msum(G, 0.f);
-  std::vector<uint8_t> cb(C * TILE, 0), header(4 * D);  // the tile's key code bytes, transposed: [byte, token]
+  Scratch& sc = scratch();  // this thread's buffers, grown once: an item's fixed cost is not an allocation
+  sc.fit(G, D, C, TILE);
+  std::vector<float>&qs = sc.qs, &qm = sc.qm, &kscale = sc.kscale, &kmin = sc.kmin, &kt = sc.kt, &vv = sc.vv;
+  std::vector<float>&x = sc.x, &vscale = sc.vscale, &vmin = sc.vmin, &msum = sc.msum;
+  std::vector<uint8_t>&cb = sc.cb, &header = sc.header;  // cb: the tile's key code bytes, transposed
+  std::fill(msum.begin(), msum.begin() + G, 0.f);
   for (int64_t g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t bi = it.b_first; bi < it.b_end; ++bi) {
@@ -436,23 +461,29 @@ static void dispatch(int bits, int64_t D, const Item& it, const Shape& s, const 
 }
 
 std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
-                                                  torch::Tensor pages, torch::Tensor table, torch::Tensor cached,
-                                                  torch::Tensor quantized, torch::Tensor residual,
-                                                  torch::Tensor res_row, int64_t bits, int64_t group,
+                                                  torch::Tensor pages, torch::Tensor table,
+                                                  const std::vector<int64_t>& cached,
+                                                  const std::vector<int64_t>& quantized, torch::Tensor residual,
+                                                  const std::vector<int64_t>& res_row, int64_t bits, int64_t group,
                                                   int64_t key_group, int64_t code_bytes, int64_t value_bytes,
                                                   double scaling, int64_t item_blocks) {
   const int64_t R = q.size(0);
+  if (table.scalar_type() != at::kLong) table = table.to(at::kLong);  // vLLM's block tables are int32
+  table = table.contiguous();
   Shape s{q.size(1), q.size(2),        q.size(3), pages.size(2),          pages.size(3),
           table.size(1), group,        key_group, code_bytes, value_bytes, static_cast<float>(scaling)};
   const int64_t H = s.H, G = s.G, D = s.D;
   TORCH_CHECK(pages.size(1) == H, "vllm_quant_decode_rows: pages hold ", pages.size(1), " heads, the query ", H);
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "vllm_quant_decode_rows: bits must be 2, 4 or 8");
-  TORCH_CHECK(table.size(0) == R && cached.size(0) == R && quantized.size(0) == R && res_row.size(0) == R,
+  TORCH_CHECK(table.size(0) == R && static_cast<int64_t>(cached.size()) == R &&
+                  static_cast<int64_t>(quantized.size()) == R && static_cast<int64_t>(res_row.size()) == R,
               "vllm_quant_decode_rows: table, cached, quantized and res_row need one entry per row");
+  TORCH_CHECK(residual.numel() == 0 || (residual.scalar_type() == at::kFloat && residual.is_contiguous()),
+              "vllm_quant_decode_rows: the residual rows must be contiguous float32");
   const bool with_new = k_new.numel() > 0;
-  const int64_t* cp = cached.data_ptr<int64_t>();
-  const int64_t* qz = quantized.data_ptr<int64_t>();
-  const int64_t* rr = res_row.data_ptr<int64_t>();
+  const int64_t* cp = cached.data();
+  const int64_t* qz = quantized.data();
+  const int64_t* rr = res_row.data();
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK((cp[r] + s.BS - 1) / s.BS <= s.W, "vllm_quant_decode_rows: row ", r, " holds ", cp[r],
                 " tokens, more than its block table's ", s.W, " blocks");
@@ -539,15 +570,15 @@ std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor
 // kvweave.ops.quantize.quantize computes them) and written into its slot (``blocks, offsets: [N]`` int64) of
 // ``pages: [NB, H, BS, SLOT]`` at byte ``code_bytes``: the packed codes, then the groups' float16 scales, then
 // their minima. Returns false (and writes nothing) if a value is NaN/Inf or its scale overflows float16.
-bool vllm_quant_write_values(torch::Tensor value, torch::Tensor pages, torch::Tensor blocks, torch::Tensor offsets,
-                             int64_t bits, int64_t group, int64_t code_bytes) {
+static bool write_values(const torch::Tensor& value, torch::Tensor& pages, const int64_t* bp, const int64_t* op,
+                         int64_t bits, int64_t group, int64_t code_bytes) {
   const int64_t N = value.size(0), H = value.size(1), D = value.size(2);
+  TORCH_CHECK(value.scalar_type() == at::kFloat && value.is_contiguous() && pages.is_contiguous(),
+              "vllm_quant_write: contiguous float32 values and contiguous pages");
   const int64_t BS = pages.size(2), SLOT = pages.size(3), VG = D / group, PB = 8 / bits;
   const int levels = (1 << bits) - 1;
   const float* vp = value.data_ptr<float>();
   uint8_t* pp = pages.data_ptr<uint8_t>();
-  const int64_t* bp = blocks.data_ptr<int64_t>();
-  const int64_t* op = offsets.data_ptr<int64_t>();
   std::vector<uint8_t> out(N * H * (code_bytes + 4 * VG));
   std::vector<uint8_t> codes(D);
   const int64_t width = code_bytes + 4 * VG;
@@ -583,5 +614,40 @@ bool vllm_quant_write_values(torch::Tensor value, torch::Tensor pages, torch::Te
     for (int64_t h = 0; h < H; ++h)
       std::memcpy(pp + ((bp[n] * H + h) * BS + op[n]) * SLOT + code_bytes, out.data() + (n * H + h) * width,
                   width);
+  return true;
+}
+
+bool vllm_quant_write_values(torch::Tensor value, torch::Tensor pages, torch::Tensor blocks, torch::Tensor offsets,
+                             int64_t bits, int64_t group, int64_t code_bytes) {
+  TORCH_CHECK(blocks.numel() == value.size(0) && offsets.numel() == value.size(0),
+              "vllm_quant_write_values: one block and offset per token");
+  return write_values(value, pages, blocks.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), bits, group,
+                      code_bytes);
+}
+
+// A decode step's whole write hook in one call (a handful of tokens; the backend's few-token path): the values
+// as vllm_quant_write_values, and each key whose ``rows[n]`` is not -1 copied, exact, into slot ``offsets[n]``
+// of residual row ``rows[n]`` (``residual: [X, H, BS, D]``, the key's dtype). Returns false as
+// vllm_quant_write_values does, before writing anything.
+bool vllm_quant_write_step(torch::Tensor key, torch::Tensor value, torch::Tensor pages, torch::Tensor residual,
+                           const std::vector<int64_t>& blocks, const std::vector<int64_t>& offsets,
+                           const std::vector<int64_t>& rows, int64_t bits, int64_t group, int64_t code_bytes) {
+  const int64_t N = value.size(0), H = value.size(1), D = value.size(2), BS = pages.size(2);
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == N && static_cast<int64_t>(offsets.size()) == N &&
+                  static_cast<int64_t>(rows.size()) == N && key.size(0) == N,
+              "vllm_quant_write_step: one key, block, offset and residual row per value");
+  TORCH_CHECK(key.scalar_type() == residual.scalar_type() && key.is_contiguous() && residual.is_contiguous() &&
+                  residual.size(1) == H && residual.size(2) == BS && residual.size(3) == D,
+              "vllm_quant_write_step: contiguous keys of the residual's dtype and shape");
+  if (!write_values(value, pages, blocks.data(), offsets.data(), bits, group, code_bytes)) return false;
+  const int64_t width = D * key.element_size();
+  const auto* kp = static_cast<const uint8_t*>(key.data_ptr());
+  auto* rp = static_cast<uint8_t*>(residual.data_ptr());
+  for (int64_t n = 0; n < N; ++n) {
+    if (rows[n] < 0) continue;
+    TORCH_CHECK(rows[n] < residual.size(0) && offsets[n] < BS, "vllm_quant_write_step: residual row out of range");
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(rp + ((rows[n] * H + h) * BS + offsets[n]) * width, kp + (n * H + h) * width, width);
+  }
   return true;
 }

@@ -28,16 +28,21 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.attention import attention_with_lse, merge_parts
 
-_NAME = "kvweave_cpu_vllm_quant_v6"
+_NAME = "kvweave_cpu_vllm_quant_v8"
 _SOURCE = source("cpu_vllm_quant.cpp")
 _CPP_DECL = (
     "std::vector<torch::Tensor> vllm_quant_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
-    "torch::Tensor pages, torch::Tensor table, torch::Tensor cached, torch::Tensor quantized, "
-    "torch::Tensor residual, torch::Tensor res_row, int64_t bits, int64_t group, int64_t key_group, "
-    "int64_t code_bytes, int64_t value_bytes, double scaling, int64_t item_blocks);"
+    "torch::Tensor pages, torch::Tensor table, const std::vector<int64_t>& cached, "
+    "const std::vector<int64_t>& quantized, torch::Tensor residual, const std::vector<int64_t>& res_row, "
+    "int64_t bits, int64_t group, int64_t key_group, int64_t code_bytes, int64_t value_bytes, double scaling, "
+    "int64_t item_blocks);"
     "bool vllm_quant_write_values(torch::Tensor value, torch::Tensor pages, torch::Tensor blocks, "
     "torch::Tensor offsets, int64_t bits, int64_t group, int64_t code_bytes);"
+    "bool vllm_quant_write_step(torch::Tensor key, torch::Tensor value, torch::Tensor pages, "
+    "torch::Tensor residual, const std::vector<int64_t>& blocks, const std::vector<int64_t>& offsets, "
+    "const std::vector<int64_t>& rows, int64_t bits, int64_t group, int64_t code_bytes);"
 )
+_FUNCTIONS = ["vllm_quant_decode_rows", "vllm_quant_write_values", "vllm_quant_write_step"]
 
 _reason: str | None = None
 
@@ -46,7 +51,7 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_quant_decode_rows", "vllm_quant_write_values"])
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, _FUNCTIONS)
     return module
 
 
@@ -55,8 +60,11 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def _longs(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(values, dtype=torch.int64).contiguous()
+def _ints(values: Sequence[int] | torch.Tensor) -> list[int]:
+    """Python ints for the extension's ``std::vector<int64_t>`` arguments (a list passes as it is)."""
+    if isinstance(values, list):
+        return values
+    return values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]
 
 
 def decode_rows(
@@ -81,10 +89,9 @@ def decode_rows(
     Returns ``out: [R, H, G, D]`` and ``lse: [R, H, G]`` float32."""
     module = load()
     assert module is not None, unavailable_reason()
-    cached_t = _longs(cached)
+    lengths = _ints(cached)
     if item_blocks is None:
         block_size = pages.shape[2]
-        lengths = cached if isinstance(cached, list) else cached_t.tolist()
         work = sum((n + block_size - 1) // block_size for n in lengths) * queries.shape[1]
         item_blocks = max(1, -(-work // (8 * torch.get_num_threads())))
     none = torch.empty(0)
@@ -93,11 +100,11 @@ def decode_rows(
         none if new is None else new[0].float().contiguous(),
         none if new is None else new[1].float().contiguous(),
         pages.contiguous(),
-        table.to(torch.int64).contiguous(),
-        cached_t,
-        _longs(quantized),
+        table,
+        lengths,
+        _ints(quantized),
         none if residual is None else residual.float().contiguous(),
-        _longs(res_rows),
+        _ints(res_rows),
         layout.bits,
         layout.group,
         layout.key_group,
@@ -122,6 +129,39 @@ def write_values(
         pages,
         blocks.to(torch.int64).contiguous(),
         offsets.to(torch.int64).contiguous(),
+        layout.bits,
+        layout.group,
+        layout.code_bytes,
+    ):
+        raise ValueError(
+            "quant: keys or values are NaN/Inf or exceed the float16 range; cannot quantize them"
+        )
+
+
+def write_step(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pages: torch.Tensor,
+    residual: torch.Tensor,
+    blocks: list[int],
+    offsets: list[int],
+    rows: list[int],
+    layout: Any,
+) -> None:
+    """A decode step's write hook in one call: :func:`write_values` for ``value: [N, H, D]``, and each key of
+    ``key: [N, H, D]`` whose ``rows[n]`` is not -1 copied, exact, into slot ``offsets[n]`` of
+    ``residual[rows[n]]: [H, block_size, D]`` (``residual`` contiguous, the keys' dtype). Raises as
+    :func:`write_values` does, before writing anything."""
+    module = load()
+    assert module is not None, unavailable_reason()
+    if not module.vllm_quant_write_step(
+        key.contiguous(),
+        value.float().contiguous(),
+        pages,
+        residual,
+        blocks,
+        offsets,
+        rows,
         layout.bits,
         layout.group,
         layout.code_bytes,
@@ -203,9 +243,7 @@ def decode_rows_reference(
     """:func:`decode_rows` in torch, one row at a time: :func:`decode_reference`, then the new token merged."""
     outs, lses = [], []
     block_size = pages.shape[2]
-    for r, (n, z, row) in enumerate(
-        zip(_longs(cached).tolist(), _longs(quantized).tolist(), _longs(res_rows).tolist(), strict=True)
-    ):
+    for r, (n, z, row) in enumerate(zip(_ints(cached), _ints(quantized), _ints(res_rows), strict=True)):
         held = -(-n // block_size)
         res = None if row < 0 or residual is None else residual[row]
         out, lse = decode_reference(queries[r], pages, table[r, :held], res, n, z, layout, scaling)

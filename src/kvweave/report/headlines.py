@@ -283,15 +283,17 @@ HEADLINES: dict[str, Headline] = {
         for rows in (1, 32)
         if rows == 32 or not short.startswith("dw")
     },
-    **{  # the v6 kernel (AVX2 tile) and the step's bookkeeping on Python ints, twelfth session
-        f"vllm-step6-{short}-{tokens // 1024}k-r{rows}{suffix}": Headline(
-            "docs/data/vllm/decode-step-quant-v6.jsonl",
+    **{  # v6: the AVX2 tile and the step's bookkeeping on Python ints (twelfth session); v8: the write hook in one
+        # C++ call, int lists straight to the kernel, per-thread scratch (thirteenth session)
+        f"vllm-step{version}-{short}-{tokens // 1024}k-r{rows}{suffix}": Headline(
+            f"docs/data/vllm/decode-step-quant-v{version}.jsonl",
             method,
             field,
             fmt,
             (("path", path), ("tokens", tokens), ("rows", rows)),
             kvweave_spec=False,
         )
+        for version in (6, 8)
         for short, method, path in (
             ("none", "none", "vllm"),
             ("q4", "quant:bits=4", "fused"),

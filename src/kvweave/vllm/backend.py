@@ -259,7 +259,16 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         count = min(slot_mapping.shape[0], key.shape[0])
         if count == 0:
             return
-        slots, key, value = slot_mapping[:count].long(), key[:count], value[:count]
+        key, value = key[:count], value[:count]
+        if (
+            isinstance(layout, QuantSlot)
+            and count <= _FEW
+            and self._fused_decode(value.device)
+            and pages.is_contiguous()
+        ):
+            self._write_few(key, value, slot_mapping[:count].tolist(), pages, layout)
+            return
+        slots = slot_mapping[:count].long()
         if int(slots.min()) < 0:  # padding slots (-1): dropped; a step without any skips the masking
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
@@ -283,6 +292,37 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         if kept is not None:
             blocks, offsets = blocks[kept], offsets[kept]
         self._quantize_finished_groups(pages, layout, residual, blocks, offsets)
+
+    def _write_few(
+        self, key: torch.Tensor, value: torch.Tensor, slots: list[int], pages: torch.Tensor, layout: QuantSlot
+    ) -> None:
+        """:meth:`do_kv_cache_update` for a handful of tokens (a decode step) with the C++ kernels: the slots
+        as Python ints, values and residual keys written in one call."""
+        from kvweave.kernels import cpu_vllm_quant
+
+        if min(slots) < 0:  # padding slots (-1): dropped
+            keep = [i for i, slot in enumerate(slots) if slot >= 0]
+            if not keep:
+                return
+            at = torch.tensor(keep)
+            key, value, slots = key[at], value[at], [slots[i] for i in keep]
+        block_size = pages.shape[2]
+        blocks, offsets = [s // block_size for s in slots], [s % block_size for s in slots]
+        residual = self._key_residual(key, block_size)
+        rows = residual.take_rows(blocks, offsets)
+        cpu_vllm_quant.write_step(key, value, pages, residual.keys, blocks, offsets, rows, layout)
+        size = layout.key_group
+        done = [
+            i for i, (o, r) in enumerate(zip(offsets, rows, strict=True)) if r >= 0 and o % size == size - 1
+        ]
+        if done:  # a key group finished: quantize it (the tensor path, once per key_group steps)
+            self._quantize_finished_groups(
+                pages,
+                layout,
+                residual,
+                torch.tensor([blocks[i] for i in done]),
+                torch.tensor([offsets[i] for i in done]),
+            )
 
     def _key_residual(self, key: torch.Tensor, block_size: int) -> KeyResidual:
         if self.residual is None:
@@ -494,10 +534,21 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         residual = None
         if unfinished:
             assert self.residual is not None
-            blocks = table[unfinished, [quantized[i] // block_size for i in unfinished]]
-            residual = self.residual.keys[self.residual.rows_of(blocks)]  # [U, H, block_size, D]: only these
-            for j, i in enumerate(unfinished):
-                res_rows[i] = j
+            at_block = [quantized[i] // block_size for i in unfinished]
+            blocks = (
+                table[unfinished, at_block].tolist()
+                if len(unfinished) > 1
+                else [int(table[unfinished[0], at_block[0]])]
+            )
+            held_rows = [self.residual.row_of[b] for b in blocks]
+            if self.residual.keys.dtype == torch.float32:  # the kernel reads the residual's rows in place
+                residual = self.residual.keys
+                for i, row in zip(unfinished, held_rows, strict=True):
+                    res_rows[i] = row
+            else:  # a float32 copy of only these rows
+                residual = self.residual.keys[held_rows]  # [U, H, block_size, D]
+                for j, i in enumerate(unfinished):
+                    res_rows[i] = j
         queries = query[at].view(len(rows), heads, self.group_size, -1)
         out, _ = cpu_vllm_quant.decode_rows(
             queries,
@@ -782,9 +833,27 @@ class KeyResidual:
         a new row. Returns the mask of tokens kept, ``None`` if all were: a write into a block with no row that
         does not start it is vLLM recomputing a token of a full, prefix-cached block (its last prompt token),
         already quantized."""
+        skipped = self._assign(*_first_offsets(blocks, offsets))
+        if not skipped:
+            self.keys[self.rows_of(blocks), :, offsets] = key.to(self.keys.dtype)
+            return None
+        kept = ~torch.isin(blocks, torch.tensor(sorted(skipped), dtype=blocks.dtype))
+        rows = self.rows_of(blocks[kept])
+        self.keys[rows, :, offsets[kept]] = key[kept].to(self.keys.dtype)
+        return kept
+
+    def take_rows(self, blocks: list[int], offsets: list[int]) -> list[int]:
+        """:meth:`store`'s bookkeeping for a few tokens as Python ints: the residual row each token's key goes
+        to, -1 for a token that is not kept (the caller writes the keys)."""
+        skipped = self._assign(*_first_offsets_of(blocks, offsets))
+        return [-1 if block in skipped else self.row_of[block] for block in blocks]
+
+    def _assign(self, touched: list[int], firsts: list[int]) -> set[int]:
+        """Rows for the blocks written this step (``touched``, each from slot ``firsts``): a block written from
+        its first slot takes a new row; returns the blocks with no row that are not kept (see :meth:`store`)."""
         self.step += 1
-        skipped = []
-        for block, first in zip(*_first_offsets(blocks, offsets), strict=True):
+        skipped: set[int] = set()
+        for block, first in zip(touched, firsts, strict=True):
             if first == 0:
                 self._release_one(block)
                 self.evicted.discard(block)
@@ -795,16 +864,10 @@ class KeyResidual:
                         f"kvweave quant: block {block} continues at slot {first} but its exact keys were evicted "
                         f"(more than {self.max_rows} blocks in flight); lower max_num_seqs"
                     )
-                skipped.append(block)
+                skipped.add(block)
                 continue
             self.last_write[self.row_of[block]] = self.step
-        if not skipped:
-            self.keys[self.rows_of(blocks), :, offsets] = key.to(self.keys.dtype)
-            return None
-        kept = ~torch.isin(blocks, torch.tensor(skipped, dtype=blocks.dtype))
-        rows = self.rows_of(blocks[kept])
-        self.keys[rows, :, offsets[kept]] = key[kept].to(self.keys.dtype)
-        return kept
+        return skipped
 
     def rows_of(self, blocks: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self.row_of[int(b)] for b in blocks.tolist()], dtype=torch.long)
@@ -972,14 +1035,19 @@ def _rope_inv_freq(head_size: int) -> torch.Tensor | None:
 def _first_offsets(blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[list[int], list[int]]:
     """The distinct blocks written (ascending) and the smallest offset written in each."""
     if blocks.numel() <= _FEW:  # a decode step: a few Python ints beat unique + scatter
-        smallest: dict[int, int] = {}
-        for block, offset in zip(blocks.tolist(), offsets.tolist(), strict=True):
-            smallest[block] = min(offset, smallest.get(block, offset))
-        touched_list = sorted(smallest)
-        return touched_list, [smallest[b] for b in touched_list]
+        return _first_offsets_of(blocks.tolist(), offsets.tolist())
     touched, inverse = torch.unique(blocks, return_inverse=True)
     first = torch.full_like(touched, 1 << 30).scatter_reduce(0, inverse, offsets, reduce="amin")
     return touched.tolist(), first.tolist()
+
+
+def _first_offsets_of(blocks: list[int], offsets: list[int]) -> tuple[list[int], list[int]]:
+    """:func:`_first_offsets` on Python ints."""
+    smallest: dict[int, int] = {}
+    for block, offset in zip(blocks, offsets, strict=True):
+        smallest[block] = min(offset, smallest.get(block, offset))
+    touched = sorted(smallest)
+    return touched, [smallest[b] for b in touched]
 
 
 def _max_requests() -> int:
