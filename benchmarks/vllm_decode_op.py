@@ -11,7 +11,8 @@ over its request (``forward`` / vLLM's ``cpu_attention_with_kv_cache``). The med
 
 - ``none``: ``vllm`` (vLLM's own CPU attention over its float32 cache, the reference for time and output);
 - ``quant:bits=N``: ``fused`` (the C++ kernel, one call for all rows) and ``torch`` (dequantize, then attend);
-- ``depthweave``: ``factored`` (attention weights on the value coordinates) and ``rebuild``
+- ``depthweave``: ``fused`` (the C++ kernel: keys rebuilt and rotated inside it, attention weights on the value
+  coordinates, one call for all rows), ``factored`` (the same in torch, row by row) and ``rebuild``
   (``KVWEAVE_VLLM_KERNEL=torch``: every stored value rebuilt, then attention).
 
 One JSON row per (method, path, tokens, rows) is appended to ``--out``, with ``vs_vllm`` (vLLM's step time over
@@ -39,7 +40,7 @@ import torch
 
 from kvweave.cli_args import _split
 
-PATHS = {"none": ("vllm",), "depthweave": ("factored", "rebuild"), "quant": ("fused", "torch")}
+PATHS = {"none": ("vllm",), "depthweave": ("fused", "factored", "rebuild"), "quant": ("fused", "torch")}
 
 
 def requests(rows: int, tokens: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +103,7 @@ class Kvweave:
         )
 
     def choose(self, path: str) -> None:
-        self.impl.pin_decode("cpu", fused=path == "fused", factored=path == "factored")
+        self.impl.pin_decode("cpu", fused=path == "fused", factored=path in ("fused", "factored"))
 
     def step(self, query: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(query)

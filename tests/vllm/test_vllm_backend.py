@@ -229,6 +229,20 @@ def test_depthweave_decode_weights_value_coordinates_as_attention_over_the_rebui
     ).transpose(0, 1)
     out = impl._weave_decode(query, k_new, v_new, pages, impl.layout, table, cached)
     torch.testing.assert_close(out, expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+    from kvweave.kernels import cpu_vllm_weave
+    from kvweave.vllm.backend import KvweaveMetadata
+
+    if cpu_vllm_weave.load() is not None:  # the fused kernel's call for the same row gives the same
+        meta = KvweaveMetadata(
+            num_actual_tokens=1,
+            query_start=[0, 1],
+            seq_lens=[length],
+            block_table=table.view(1, -1),
+            slot_mapping=torch.tensor([0]),
+        )
+        fused = torch.empty(1, 4, 64)
+        impl._fused_weave_decode(query, k_new, v_new, pages, impl.layout, meta, [0], fused)
+        torch.testing.assert_close(fused, expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
     if length > 64 + 5:  # the needles' values are exact in the reference: what the comparison covers
         torch.testing.assert_close(old_v.transpose(0, 1)[needles[0]], values[needles[0]].half().float())
 
@@ -482,7 +496,12 @@ def test_tiny_depthweave_at_full_rank_gives_vllms_tokens(tiny_runs: dict[str, di
     storage except at near ties."""
     result = agreement(tiny_runs["pages"], tiny_runs[FULL_RANK_WEAVE], TIE)
     assert result["confident_mismatches"] == 0, result
-    assert tiny_runs[FULL_RANK_WEAVE]["stats"]["weave_bases"] > 0
+    stats = tiny_runs[FULL_RANK_WEAVE]["stats"]
+    assert stats["weave_bases"] > 0
+    from kvweave.kernels import cpu_vllm_weave
+
+    if cpu_vllm_weave.load() is not None:  # its decode rows ran the fused kernel
+        assert stats["fused_decode_rows"] == stats["weave_decode_rows"] > 0, stats
 
 
 # ------------------------------------------------------------------------------ qwen2.5-coder-0.5b
@@ -732,8 +751,8 @@ def test_decode_step_benchmark_writes_a_row_per_path_close_to_vllms_attention(tm
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     paths = {(r["method"].split(":")[0], r["path"]) for r in rows}
-    assert paths == {("none", "vllm"), ("quant", "fused"), ("quant", "torch"), ("depthweave", "factored"),
-                     ("depthweave", "rebuild")}  # fmt: skip
+    assert paths == {("none", "vllm"), ("quant", "fused"), ("quant", "torch"), ("depthweave", "fused"),
+                     ("depthweave", "factored"), ("depthweave", "rebuild")}  # fmt: skip
     for row in rows:
         assert row["tokens"] == 300 and row["rows"] == 3 and row["ms_per_step"] > 0
         assert row["difference_from_exact"] < 0.05, row

@@ -261,7 +261,25 @@ HEADLINES: dict[str, Headline] = {
             ("c32t256", "load-2k-256"),
             ("c32t256v6", "load-2k-256-v6"),
             ("c32t256v6b", "load-2k-256-v6-rerun"),
+            ("c32k4t1024", "load-4k-1024-v8"),  # 4K prompts, 1,024 tokens: ~8 full-cache requests fit
         )
+    },
+    **{  # depthweave's fused decode kernel beside its torch paths and vLLM's own (thirteenth session)
+        f"vllm-stepw-{short}-{tokens // 1024}k-r{rows}": Headline(
+            "docs/data/vllm/decode-step-weave.jsonl",
+            method,
+            "ms_per_step",
+            "{:.2f}" if rows == 1 else "{:.1f}",
+            (("path", path), ("tokens", tokens), ("rows", rows)),
+            kvweave_spec=False,
+        )
+        for short, method, path in (
+            ("none", "none", "vllm"),
+            ("dw", "depthweave", "fused"),
+            ("dwtorch", "depthweave", "factored"),
+        )
+        for tokens in (2048, 4096)
+        for rows in (1, 32)
     },
     **{
         f"vllm-step-{short}-{tokens // 1024}k-r{rows}": Headline(

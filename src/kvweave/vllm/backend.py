@@ -64,9 +64,11 @@ from kvweave.vllm.config import ENV_METHOD, Basis, PageSlot, QuantSlot, VllmMeth
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
 ENV_KERNEL = "KVWEAVE_VLLM_KERNEL"
-"""``auto`` (default: the fused C++ decode kernel for ``quant`` when it builds; ``depthweave`` decode rows weight
-value coordinates) or ``torch`` (the reference: dequantize, resp. rebuild, every stored token, then attend)."""
+"""``auto`` (default: the fused C++ decode kernels for ``quant`` and ``depthweave`` when they build; without
+them ``depthweave`` decode rows weight value coordinates in torch) or ``torch`` (the reference: dequantize, resp.
+rebuild, every stored token, then attend)."""
 QUANT_DECODE = Kernel("vllm quant decode attention", cpp="kvweave.kernels.cpu_vllm_quant")
+WEAVE_DECODE = Kernel("vllm depthweave decode attention", cpp="kvweave.kernels.cpu_vllm_weave")
 _FEW = 64  # tokens or rows up to which a step's bookkeeping runs on Python ints instead of small tensor ops
 QUERY_CHUNK = 1024  # query rows per SDPA call in prefill chunks that read cached tokens (bounds the mask)
 
@@ -82,8 +84,9 @@ STATS: dict[str, int] = {
 }
 """Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
 blocks the requests held, and blocks whose summary was read (``pages``); for ``depthweave`` the bases held and
-their bytes beside vLLM's pages (``weave_bases``, ``weave_side_bytes``, summed over layers), and decode rows that
-ran the fused quant kernel or the factored depthweave decode (``fused_decode_rows``, ``weave_decode_rows``). ``KVWEAVE_VLLM_STATS=path``
+their bytes beside vLLM's pages (``weave_bases``, ``weave_side_bytes``, summed over layers), decode rows that
+ran a fused C++ kernel (``fused_decode_rows``: quant's or depthweave's) and depthweave decode rows that weighted
+value coordinates (``weave_decode_rows``: fused or in torch). ``KVWEAVE_VLLM_STATS=path``
 writes them there as JSON every 256 decode calls and at the end of each call that crosses that count."""
 _STATS_LOCK = threading.Lock()
 _calls = 0
@@ -210,7 +213,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         )
         self.residual: KeyResidual | None = None  # quant: exact keys of the key groups not yet quantized
         self.max_requests = _max_requests()
-        self.fused_choice: dict[str, bool] = {}  # device type -> quant decode runs the fused kernel
+        self.fused_choice: dict[tuple[str, str], bool] = {}  # (kernel, device type) -> decode runs it fused
         self.weave_factored: bool | None = None  # depthweave decode weights value coordinates (read once)
         # depthweave: the requests' bases and sinks, the newest (partial) block of each request exact, and the
         # model's rotary frequencies (read from vLLM's model config on first use; tests may set them)
@@ -400,8 +403,15 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         if isinstance(layout, WeaveSlot):
             self._weave_store(key, value, pages, layout, meta)
         decode_calls = 0
-        fused: list[int] = []  # quant decode rows, attended together in one kernel call after the loop
-        fuse = isinstance(layout, QuantSlot) and self._fused_decode(query.device)
+        fused: list[int] = []  # decode rows, attended together in one kernel call after the loop
+        if isinstance(layout, QuantSlot):
+            fuse = self._fused_decode(query.device)
+        else:
+            fuse = (
+                isinstance(layout, WeaveSlot)
+                and self._weave_factored()
+                and self._fused_decode(query.device, WEAVE_DECODE)
+            )
         for row, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start[row], meta.query_start[row + 1]
             if end <= start:
@@ -418,7 +428,10 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 out = self._attend(q, k_new, v_new, pages, layout, table, seq_len)
                 decode_calls += end - start == 1
             output[start:end] = out.to(output.dtype)
-        if fused:
+        if fused and isinstance(layout, WeaveSlot):
+            self._fused_weave_decode(query, key, value, pages, layout, meta, fused, output)
+            decode_calls += len(fused)
+        elif fused:
             assert isinstance(layout, QuantSlot)
             self._fused_quant_decode(query, key, value, pages, layout, meta, fused, output)
             decode_calls += len(fused)
@@ -477,16 +490,16 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             )
         return torch.cat(pieces, dim=2)[0].transpose(0, 1)
 
-    def _fused_decode(self, device: torch.device) -> bool:
-        """Whether ``quant`` decode steps run the fused C++ kernel (``KVWEAVE_VLLM_KERNEL``, the machine): read
-        once per layer and device, not per decode row."""
-        known = self.fused_choice
-        if device.type not in known:
+    def _fused_decode(self, device: torch.device, kernel: Kernel = QUANT_DECODE) -> bool:
+        """Whether decode steps run ``kernel`` (``quant``'s or ``depthweave``'s fused C++ kernel;
+        ``KVWEAVE_VLLM_KERNEL``, the machine): read once per layer, kernel and device, not per decode row."""
+        known, at = self.fused_choice, (kernel.name, device.type)
+        if at not in known:
             choice = os.environ.get(ENV_KERNEL, "auto").strip() or "auto"
             if choice not in ("auto", "cpp", "torch"):
                 raise ValueError(f"{ENV_KERNEL}={choice!r}; allowed: auto, cpp, torch")
-            known[device.type] = choose(QUANT_DECODE, choice, device) == "cpp"
-        return bool(known[device.type])
+            known[at] = choose(kernel, choice, device) == "cpp"
+        return bool(known[at])
 
     def _weave_factored(self) -> bool:
         """Whether depthweave decode rows weight the value coordinates (:meth:`_weave_decode`) instead of
@@ -496,9 +509,11 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         return self.weave_factored
 
     def pin_decode(self, device: torch.device | str, *, fused: bool, factored: bool) -> None:
-        """Fix the decode paths ``KVWEAVE_VLLM_KERNEL`` would choose on ``device``: quant's fused kernel or its
-        torch path, depthweave's factored read or its rebuild (benchmarks time each path in one process)."""
-        self.fused_choice = {torch.device(device).type: fused}
+        """Fix the decode paths ``KVWEAVE_VLLM_KERNEL`` would choose on ``device``: the fused kernels (quant's, and
+        depthweave's when ``factored``) or their torch paths, depthweave's factored read or its rebuild (benchmarks
+        time each path in one process)."""
+        kind = torch.device(device).type
+        self.fused_choice = {(QUANT_DECODE.name, kind): fused, (WEAVE_DECODE.name, kind): fused}
         self.weave_factored = factored
 
     def _fused_quant_decode(
@@ -565,6 +580,59 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         output[at] = out.reshape(len(rows), self.num_heads, -1).to(output.dtype)
         held = sum((n + block_size - 1) // block_size for n in cached)
         _add_stats(blocks_read=held * heads, blocks_held=held * heads, fused_decode_rows=len(rows))
+
+    def _fused_weave_decode(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        meta: KvweaveMetadata,
+        rows: list[int],
+        output: torch.Tensor,
+    ) -> None:
+        """The depthweave decode ``rows`` of this step in one call of the fused kernel: each row's stored tokens
+        from its blocks (keys rebuilt and rotated in the kernel, value coordinates weighted), its exact rows, sinks
+        and newest partial block as :meth:`_weave_read` lays them over, its new token exact."""
+        from kvweave.kernels import cpu_vllm_weave
+
+        assert self.bases is not None and self.recent is not None
+        heads, block_size = self.num_kv_heads, pages.shape[2]
+        starts = [meta.query_start[r] for r in rows]
+        at = torch.tensor(starts)
+        table = meta.block_table[torch.tensor(rows)]
+        reads, held_total = [], 0
+        for i, r in enumerate(rows):
+            cached = meta.seq_lens[r] - 1
+            held = -(-cached // block_size)
+            held_total += held
+            entry = self.bases.get(int(table[i, 0]))
+            kb, kmean, vb, vmean, sink_k, sink_v = entry.kernel_view()
+            first, recent_k, recent_v = cached, torch.empty(0), torch.empty(0)
+            last = int(table[i, held - 1])
+            if last in self.recent[0].row_of:  # the newest block is partial: its tokens exact
+                first = (held - 1) * block_size
+                k_row, v_row = (residual.row_of[last] for residual in self.recent)
+                recent_k = self.recent[0].keys[k_row].float().contiguous()
+                recent_v = self.recent[1].keys[v_row].float().contiguous()
+            reads.append(
+                cpu_vllm_weave.WeaveRow(
+                    cached, kb, kmean, vb, vmean, sink_k, sink_v, first, recent_k, recent_v
+                )
+            )
+        cos, sin = self._rope(0, max(read.cached for read in reads))
+        queries = query[at].view(len(rows), heads, self.group_size, -1)
+        out = cpu_vllm_weave.decode_rows(
+            queries, (key[at], value[at]), pages, table, reads, cos, sin, layout, self.scale
+        )
+        output[at] = out.reshape(len(rows), self.num_heads, -1).to(output.dtype)
+        _add_stats(
+            blocks_read=held_total * heads,
+            blocks_held=held_total * heads,
+            weave_decode_rows=len(rows),
+            fused_decode_rows=len(rows),
+        )
 
     def _stored(
         self,
@@ -911,6 +979,19 @@ class WeaveEntry:
     sinks: int
     sink_k: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
     sink_v: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
+
+    def kernel_view(self) -> tuple[torch.Tensor, ...]:
+        """What the fused decode kernel reads, float32 and contiguous (made per call, not held: the side bytes
+        stay what :attr:`nbytes` counts): the bases' rows times their scales and their means (``kb, kmean, vb,
+        vmean``), the sinks (``sink_k, sink_v``)."""
+        return (
+            (self.k.rows.float() * self.k.scale.unsqueeze(1)).contiguous(),
+            self.k.mean.float().contiguous(),
+            (self.v.rows.float() * self.v.scale.unsqueeze(1)).contiguous(),
+            self.v.mean.float().contiguous(),
+            self.sink_k.float().contiguous(),
+            self.sink_v.float().contiguous(),
+        )
 
     @property
     def sinks_held(self) -> int:

@@ -1,0 +1,267 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+// Decode attention of a layer's decode rows straight from kvweave's vLLM `depthweave` blocks (WeaveSlot layout):
+// per slot [key codes (KB bytes) | value codes | key scale, value scale (float16) | tail]; the codes are the
+// token's coordinates on its request's bases, each KV head's slot holding its share (rank / H consecutive
+// coordinates), symmetric integers offset by 2^(bits-1), packed 8 / bits per byte, the first in the lowest bits.
+// The tails of a block's slots, read in slot order, hold per KV head its exact rows: offsets int16 [E] | errors
+// float16 [E] | keys float16 [E, D] | values float16 [E, D] (offset -1: empty).
+//
+// A token's key is rebuilt from all heads' shares of its key coordinates (kb: the basis rows times their scales,
+// [rank_k, H*D]; plus the mean), rotated to its position (cos, sin: [T, D], rotate_half convention) and scored;
+// its value is never rebuilt: the attention weights weight its value coordinates, and one projection through the
+// value basis per query head closes the row. What overrides the stored form, by precedence: the newest partial
+// block (recent_k / recent_v [H, BS, D] from recent_first on), the sinks (sink_k / sink_v [S, H, D], the first S
+// tokens), the block's exact rows. One item per (row, KV head), an online softmax over its blocks, then the row's
+// new token (exact) merged.
+//
+// q: [R, H, G, D] f32; k_new, v_new: [R, H, D] f32; pages: [NB, H, BS, SLOT] uint8; table: [R, W] block ids
+// (int32 or int64); cached, recent_first: one int per row; per row: kb [rank_k, H*D], kmean [H*D], vb [rank_v,
+// H*D], vmean [H*D], sink_k, sink_v [S, H, D], recent_k, recent_v [H, BS, D] or empty, all f32 contiguous.
+// Returns out [R, H, G, D] f32.
+
+static inline float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+struct WeaveShape {
+  int64_t H, G, D, BS, SLOT, W, bits, rank_k, rank_v, E, scale_end, k_bytes, code_end;
+  float scale;
+};
+
+// The coordinates `out[rank]` of a token (slot `off` of block `block`, which starts at byte offset 0 of head 0):
+// every head's share, from byte `first` of its slot, scaled by the float16 at byte `scale_at`.
+template <int BITS>
+static inline void coords_of(const uint8_t* block, int64_t off, const WeaveShape& s, int64_t rank, int64_t first,
+                             int64_t scale_at, float* out) {
+  constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1, OFFSET = 1 << (BITS - 1);
+  const int64_t share = rank / s.H;
+  for (int64_t h = 0; h < s.H; ++h) {
+    const uint8_t* slot = block + (h * s.BS + off) * s.SLOT;
+    const float scale = half_at(slot + scale_at);
+    const uint8_t* codes = slot + first;
+    float* o = out + h * share;
+    for (int64_t b = 0; b < share / PER; ++b) {
+      const int byte = codes[b];
+      for (int p = 0; p < PER; ++p) o[b * PER + p] = static_cast<float>(((byte >> (p * BITS)) & MASK) - OFFSET) * scale;
+    }
+  }
+}
+
+template <int BITS>
+static void attend_row_head(int64_t h, const WeaveShape& s, const float* q, const uint8_t* pages,
+                            const int64_t* ids, int64_t cached, int64_t recent_first, const float* kb,
+                            const float* kmean, const float* vb, const float* vmean, const float* sink_k,
+                            const float* sink_v, int64_t sinks, const float* recent_k, const float* recent_v,
+                            const float* cos, const float* sin, const float* k_new, const float* v_new, float* out) {
+  const int64_t G = s.G, D = s.D, BS = s.BS, H = s.H, RK = s.rank_k, RV = s.rank_v, E = s.E, half = D / 2;
+  const int64_t tail = s.SLOT - s.scale_end, exact_bytes = E * (4 + 4 * D);
+  std::vector<float> keys(BS * D), cv(BS * RV), vx(BS * D), x(G * BS), ck(RK), pre(D);
+  std::vector<int8_t> kind(BS);  // 0: value from coordinates, 1: exact value in vx
+  std::vector<int64_t> exact_at(BS);
+  std::vector<uint8_t> tails(exact_bytes);
+  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), pc(G, 0.f);
+  std::vector<float> acc_c(G * RV, 0.f), acc_x(G * D, 0.f);
+  const int64_t held = (cached + BS - 1) / BS;
+  for (int64_t bi = 0; bi < held; ++bi) {
+    const uint8_t* block = pages + ids[bi] * H * BS * s.SLOT;
+    const uint8_t* block_h = block + h * BS * s.SLOT;
+    const int64_t t0 = bi * BS, T = std::min(BS, cached - t0);
+    std::fill(exact_at.begin(), exact_at.end(), -1);
+    if (E > 0) {  // this head's exact rows: the tails' first exact_bytes bytes, in slot order
+      for (int64_t done = 0; done < exact_bytes;) {
+        const int64_t in_tail = done % tail, piece = std::min(tail - in_tail, exact_bytes - done);
+        std::memcpy(tails.data() + done, block_h + (done / tail) * s.SLOT + s.scale_end + in_tail, piece);
+        done += piece;
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        int16_t off;
+        std::memcpy(&off, tails.data() + 2 * e, 2);
+        if (off >= 0 && off < T) exact_at[off] = e;
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = t0 + t;
+      float* key = keys.data() + t * D;
+      float* value = vx.data() + t * D;
+      if (pos >= recent_first) {
+        const int64_t off = pos - recent_first;
+        std::memcpy(key, recent_k + (h * BS + off) * D, D * sizeof(float));
+        std::memcpy(value, recent_v + (h * BS + off) * D, D * sizeof(float));
+        kind[t] = 1;
+      } else if (pos < sinks) {
+        std::memcpy(key, sink_k + (pos * H + h) * D, D * sizeof(float));
+        std::memcpy(value, sink_v + (pos * H + h) * D, D * sizeof(float));
+        kind[t] = 1;
+      } else if (exact_at[t] >= 0) {
+        const uint8_t* rows = tails.data() + 4 * E;
+        for (int64_t d = 0; d < D; ++d) {
+          key[d] = half_at(rows + 2 * (exact_at[t] * D + d));
+          value[d] = half_at(rows + 2 * ((E + exact_at[t]) * D + d));
+        }
+        kind[t] = 1;
+      } else {
+        coords_of<BITS>(block, t, s, RK, 0, s.code_end, ck.data());
+        for (int64_t d = 0; d < D; ++d) pre[d] = kmean[h * D + d];
+        for (int64_t j = 0; j < RK; ++j) {
+          const float c = ck[j];
+          const float* row = kb + j * H * D + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) pre[d] += c * row[d];
+        }
+        const float* cs = cos + pos * D;
+        const float* sn = sin + pos * D;
+        for (int64_t d = 0; d < half; ++d) key[d] = pre[d] * cs[d] - pre[d + half] * sn[d];
+        for (int64_t d = half; d < D; ++d) key[d] = pre[d] * cs[d] + pre[d - half] * sn[d];
+        coords_of<BITS>(block, t, s, RV, s.k_bytes, s.code_end + 2, cv.data() + t * RV);
+        kind[t] = 0;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float* xg = x.data() + g * BS;
+      float top = m[g];
+      for (int64_t t = 0; t < T; ++t) {
+        const float* key = keys.data() + t * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * key[d];
+        xg[t] = dot * s.scale;
+        top = std::max(top, xg[t]);
+      }
+      const float alpha = std::exp(m[g] - top);  // 0 when m was -inf (l and the sums are 0 then)
+      float* ac = acc_c.data() + g * RV;
+      float* ax = acc_x.data() + g * D;
+      for (int64_t j = 0; j < RV; ++j) ac[j] *= alpha;
+      for (int64_t d = 0; d < D; ++d) ax[d] *= alpha;
+      float sum = 0.f, coord_sum = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        const float p = std::exp(xg[t] - top);
+        sum += p;
+        if (kind[t] == 0) {
+          coord_sum += p;
+          const float* c = cv.data() + t * RV;
+#pragma omp simd
+          for (int64_t j = 0; j < RV; ++j) ac[j] += p * c[j];
+        } else {
+          const float* v = vx.data() + t * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ax[d] += p * v[d];
+        }
+      }
+      l[g] = l[g] * alpha + sum;
+      pc[g] = pc[g] * alpha + coord_sum;
+      m[g] = top;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // the new token, then the value basis once per query head
+    const float* qg = q + g * D;
+    float logit = 0.f;
+    for (int64_t d = 0; d < D; ++d) logit += qg[d] * k_new[d];
+    logit *= s.scale;
+    const float top = std::max(m[g], logit);
+    const float alpha = std::exp(m[g] - top), p_new = std::exp(logit - top);
+    const float total = l[g] * alpha + p_new;
+    float* o = out + g * D;
+    const float* ac = acc_c.data() + g * RV;
+    const float* ax = acc_x.data() + g * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = pc[g] * vmean[h * D + d] + ax[d];
+    for (int64_t j = 0; j < RV; ++j) {
+      const float w = ac[j];
+      const float* row = vb + j * H * D + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] = (o[d] * alpha + p_new * v_new[d]) / total;
+  }
+}
+
+static const float* f32_or_null(const torch::Tensor& t, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "vllm_weave_decode_rows: ", what,
+              " must be contiguous float32");
+  return t.data_ptr<float>();
+}
+
+torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor pages,
+                                     torch::Tensor table, const std::vector<int64_t>& cached,
+                                     const std::vector<int64_t>& recent_first, const std::vector<torch::Tensor>& kb,
+                                     const std::vector<torch::Tensor>& kmean, const std::vector<torch::Tensor>& vb,
+                                     const std::vector<torch::Tensor>& vmean,
+                                     const std::vector<torch::Tensor>& sink_k,
+                                     const std::vector<torch::Tensor>& sink_v,
+                                     const std::vector<torch::Tensor>& recent_k,
+                                     const std::vector<torch::Tensor>& recent_v, torch::Tensor cos, torch::Tensor sin,
+                                     int64_t bits, int64_t rank_k, int64_t rank_v, int64_t exact, int64_t scale_end,
+                                     int64_t k_bytes, int64_t code_end, double scaling) {
+  const int64_t R = q.size(0);
+  if (table.scalar_type() != at::kLong) table = table.to(at::kLong);
+  table = table.contiguous();
+  WeaveShape s{q.size(1), q.size(2), q.size(3), pages.size(2), pages.size(3), table.size(1), bits, rank_k, rank_v,
+               exact, scale_end, k_bytes, code_end, static_cast<float>(scaling)};
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "vllm_weave_decode_rows: bits must be 2, 4 or 8");
+  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.is_contiguous() && pages.size(1) == s.H,
+              "vllm_weave_decode_rows: contiguous uint8 pages with the query's KV heads");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && k_new.is_contiguous() && v_new.is_contiguous(),
+              "vllm_weave_decode_rows: contiguous float32 queries and new tokens");
+  TORCH_CHECK(s.D % 2 == 0 && rank_k % (s.H * (8 / bits)) == 0 && rank_v % (s.H * (8 / bits)) == 0,
+              "vllm_weave_decode_rows: an even head size and ranks that are multiples of the KV heads times the "
+              "codes per byte");
+  const size_t n = static_cast<size_t>(R);
+  TORCH_CHECK(table.size(0) == R && cached.size() == n && recent_first.size() == n && kb.size() == n &&
+                  kmean.size() == n && vb.size() == n && vmean.size() == n && sink_k.size() == n &&
+                  sink_v.size() == n && recent_k.size() == n && recent_v.size() == n,
+              "vllm_weave_decode_rows: one entry per row in every per-row argument");
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK((cached[r] + s.BS - 1) / s.BS <= s.W, "vllm_weave_decode_rows: row ", r, " holds ", cached[r],
+                " tokens, more than its block table's ", s.W, " blocks");
+    TORCH_CHECK(kb[r].size(0) >= rank_k && vb[r].size(0) >= rank_v && kb[r].size(1) == s.H * s.D,
+                "vllm_weave_decode_rows: row ", r, "'s bases are too small");
+    TORCH_CHECK(recent_first[r] >= cached[r] || recent_k[r].numel() == s.H * s.BS * s.D,
+                "vllm_weave_decode_rows: row ", r, " has tokens from its newest block but no exact rows for them");
+    longest = std::max(longest, cached[r]);
+  }
+  TORCH_CHECK(cos.size(0) >= longest && cos.size(1) == s.D && sin.sizes() == cos.sizes(),
+              "vllm_weave_decode_rows: cos and sin must cover every stored position");
+  auto out = torch::zeros({R, s.H, s.G, s.D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kn = k_new.data_ptr<float>();
+  const float* vn = v_new.data_ptr<float>();
+  const uint8_t* pp = pages.data_ptr<uint8_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const float* cp = f32_or_null(cos, "cos");
+  const float* sp = f32_or_null(sin, "sin");
+  float* op = out.data_ptr<float>();
+  std::vector<const float*> ptrs(R * 8);
+  std::vector<int64_t> sinks_held(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const torch::Tensor* each[] = {&kb[r], &kmean[r], &vb[r], &vmean[r], &sink_k[r], &sink_v[r], &recent_k[r],
+                                   &recent_v[r]};
+    for (int i = 0; i < 8; ++i) ptrs[r * 8 + i] = f32_or_null(*each[i], "a row's bases, sinks and newest rows");
+    sinks_held[r] = sink_k[r].numel() / (s.H * s.D);
+    TORCH_CHECK(sink_v[r].numel() == sink_k[r].numel(), "vllm_weave_decode_rows: row ", r,
+                "'s sink keys and values differ in count");
+  }
+  at::parallel_for(0, R * s.H, 1, [&](int64_t first, int64_t last) {
+    for (int64_t rh = first; rh < last; ++rh) {
+      const int64_t r = rh / s.H, h = rh % s.H;
+      const float* const* p = ptrs.data() + r * 8;
+      const int64_t sinks = std::min(sinks_held[r], cached[r]);
+      auto attend = s.bits == 8 ? attend_row_head<8> : s.bits == 4 ? attend_row_head<4> : attend_row_head<2>;
+      attend(h, s, qp + rh * s.G * s.D, pp, tp + r * s.W, cached[r], std::min(recent_first[r], cached[r]),
+                      p[0], p[1], p[2], p[3], p[4], p[5], sinks, p[6], p[7], cp, sp, kn + rh * s.D, vn + rh * s.D,
+                      op + rh * s.G * s.D);
+    }
+  });
+  return out;
+}

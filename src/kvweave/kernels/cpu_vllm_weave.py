@@ -1,0 +1,163 @@
+"""Fused CPU decode attention for kvweave's vLLM ``depthweave`` blocks: every decode row of a layer in one call,
+keys rebuilt and rotated inside the kernel from the packed coordinates, values never rebuilt (the attention
+weights weight the value coordinates, then one projection per query head).
+
+The vLLM backend (:mod:`kvweave.vllm.backend`) stores each token as coordinates on its request's per-layer bases
+(``kvweave.vllm.config.WeaveSlot``), a block's worst-represented tokens exact in its slots' tails, the first
+``sinks`` tokens and the newest partial block exact beside the pages. :func:`decode_rows` reads all of it where
+it lies: one work item per (row, KV head), an online softmax in float32 over the row's blocks, then its new token
+merged. :func:`decode_rows_reference` is the same in torch (the tests' reference): unpack with the layout, rebuild
+every key and value, lay the exact rows over them, attend.
+
+Built on first use like :mod:`kvweave.kernels.cpu_vllm_quant`; :func:`load` returns ``None`` where it cannot be
+built, and the backend then keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from kvweave.kernels._build import build, source
+from kvweave.ops.rope import apply_rotary
+
+_NAME = "kvweave_cpu_vllm_weave_v3"
+_SOURCE = source("cpu_vllm_weave.cpp")
+_CPP_DECL = (
+    "torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
+    "torch::Tensor pages, torch::Tensor table, const std::vector<int64_t>& cached, "
+    "const std::vector<int64_t>& recent_first, const std::vector<torch::Tensor>& kb, "
+    "const std::vector<torch::Tensor>& kmean, const std::vector<torch::Tensor>& vb, "
+    "const std::vector<torch::Tensor>& vmean, const std::vector<torch::Tensor>& sink_k, "
+    "const std::vector<torch::Tensor>& sink_v, const std::vector<torch::Tensor>& recent_k, "
+    "const std::vector<torch::Tensor>& recent_v, torch::Tensor cos, torch::Tensor sin, int64_t bits, "
+    "int64_t rank_k, int64_t rank_v, int64_t exact, int64_t scale_end, int64_t k_bytes, int64_t code_end, "
+    "double scaling);"
+)
+
+_reason: str | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any | None:
+    """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
+    global _reason
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_weave_decode_rows"])
+    return module
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned ``None`` (``None`` if it has not failed)."""
+    return _reason
+
+
+@dataclasses.dataclass
+class WeaveRow:
+    """One decode row's stored state beside the pages, float32: ``kb, vb: [r, H·D]`` the bases' rows times their
+    scales and ``kmean, vmean: [H·D]`` their means; ``sink_k, sink_v: [S, H, D]`` the exact first tokens (post-RoPE
+    keys); ``recent_first`` the first token of the newest partial block (``cached``: none) and ``recent_k,
+    recent_v: [H, block_size, D]`` its exact rows (empty when none)."""
+
+    cached: int
+    kb: torch.Tensor
+    kmean: torch.Tensor
+    vb: torch.Tensor
+    vmean: torch.Tensor
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    recent_first: int
+    recent_k: torch.Tensor
+    recent_v: torch.Tensor
+
+
+def decode_rows(
+    queries: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor],
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    rows: list[WeaveRow],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: Any,
+    scaling: float,
+) -> torch.Tensor:
+    """Row ``r``'s ``queries[r]: [H, G, D]`` (its query heads, packed per KV head) over its ``rows[r].cached``
+    stored tokens in blocks ``table[r]`` of ``pages: [NB, H, block_size, slot]`` uint8 (``layout``: the
+    ``WeaveSlot``) and its new token ``new = (keys, values)`` (``[R, H, D]``, exact). ``cos, sin: [T, D]``
+    cover every stored position. Returns ``[R, H, G, D]`` float32."""
+    module = load()
+    assert module is not None, unavailable_reason()
+    return module.vllm_weave_decode_rows(
+        queries.float().contiguous(),
+        new[0].float().contiguous(),
+        new[1].float().contiguous(),
+        pages.contiguous(),
+        table,
+        [row.cached for row in rows],
+        [row.recent_first for row in rows],
+        [row.kb for row in rows],
+        [row.kmean for row in rows],
+        [row.vb for row in rows],
+        [row.vmean for row in rows],
+        [row.sink_k for row in rows],
+        [row.sink_v for row in rows],
+        [row.recent_k for row in rows],
+        [row.recent_v for row in rows],
+        cos.float().contiguous(),
+        sin.float().contiguous(),
+        layout.bits,
+        layout.rank_k,
+        layout.rank_v,
+        layout.exact,
+        layout.scale_end,
+        layout.k_bytes,
+        layout.code_end,
+        float(scaling),
+    )
+
+
+def decode_rows_reference(
+    queries: torch.Tensor,
+    new: tuple[torch.Tensor, torch.Tensor],
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    rows: list[WeaveRow],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: Any,
+    scaling: float,
+) -> torch.Tensor:
+    """:func:`decode_rows` in torch, one row at a time: every stored key and value rebuilt, the exact rows, the
+    sinks and the newest partial block laid over them (in that order), then attention with the new token."""
+    outs = []
+    heads, dim = queries.shape[1], queries.shape[-1]
+    block_size = pages.shape[2]
+    for r, row in enumerate(rows):
+        n = row.cached
+        held = -(-n // block_size)
+        blocks = pages[table[r, :held].long()]  # [held, H, block_size, slot]
+        ck, cv = layout.unpack(blocks)  # [held, block_size, r]
+        keys = (ck.flatten(0, 1)[:n] @ row.kb[: layout.rank_k] + row.kmean).view(n, heads, dim)
+        values = (cv.flatten(0, 1)[:n] @ row.vb[: layout.rank_v] + row.vmean).view(n, heads, dim)
+        keys = apply_rotary(keys.transpose(0, 1), cos[:n], sin[:n]).transpose(0, 1)
+        if layout.exact:
+            offsets, _, exact_k, exact_v = layout.read_exact(layout.tails(blocks))  # [held, H, E(, D)]
+            position = torch.arange(held).view(-1, 1, 1) * block_size + offsets
+            valid = (offsets >= 0) & (position < n)
+            head = torch.arange(heads).view(1, -1, 1).expand_as(position)
+            keys[position[valid], head[valid]] = exact_k[valid].float()
+            values[position[valid], head[valid]] = exact_v[valid].float()
+        sinks = min(row.sink_k.shape[0], n)
+        keys[:sinks], values[:sinks] = row.sink_k[:sinks], row.sink_v[:sinks]
+        if row.recent_first < n:
+            span = n - row.recent_first
+            keys[row.recent_first :] = row.recent_k[:, :span].transpose(0, 1)
+            values[row.recent_first :] = row.recent_v[:, :span].transpose(0, 1)
+        keys = torch.cat([keys, new[0][r].float().unsqueeze(0)])  # [n + 1, H, D]
+        values = torch.cat([values, new[1][r].float().unsqueeze(0)])
+        logits = torch.einsum("hgd,thd->hgt", queries[r].float(), keys) * scaling
+        outs.append(torch.einsum("hgt,thd->hgd", logits.softmax(-1), values))
+    return torch.stack(outs)

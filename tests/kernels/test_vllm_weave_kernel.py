@@ -1,0 +1,109 @@
+"""The fused CPU decode kernel for kvweave's vLLM ``depthweave`` blocks against its torch reference, on blocks
+packed with the backend's layout (engine-free: the layout is torch): coordinates on per-request bases, exact rows
+in the blocks' tails, sinks and a newest partial block beside them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvweave.kernels import cpu_vllm_weave
+from kvweave.kernels.cpu_vllm_weave import WeaveRow
+from kvweave.vllm.config import VllmMethod, WeaveSlot, rope_cos_sin
+
+pytestmark = pytest.mark.skipif(
+    cpu_vllm_weave.load() is None, reason=f"C++ kernel not buildable: {cpu_vllm_weave.unavailable_reason()}"
+)
+
+HEADS, DIM, BLOCK = 2, 64, 16
+
+
+def _pages(layout: WeaveSlot, blocks: int, generator: torch.Generator) -> torch.Tensor:
+    """Every slot's codes and scales from random coordinates, every block's tails holding its exact rows (one
+    of them empty in some blocks), the bytes past them garbage."""
+    pages = torch.randint(
+        0, 256, (blocks, HEADS, BLOCK, layout.nbytes), dtype=torch.uint8, generator=generator
+    )
+    tokens = blocks * BLOCK
+    k = torch.randn(tokens, layout.rank_k, generator=generator)
+    v = torch.randn(tokens, layout.rank_v, generator=generator)
+    packed = layout.pack(k, v).view(blocks, BLOCK, HEADS, -1).transpose(1, 2)  # [blocks, H, BLOCK, scale_end]
+    pages[..., : layout.scale_end] = packed
+    e = layout.exact
+    offsets = torch.stack([torch.randperm(BLOCK, generator=generator)[:e] for _ in range(blocks * HEADS)])
+    offsets = offsets.view(blocks, HEADS, e)
+    offsets[::2, 0, -1] = -1  # an empty entry
+    errors = torch.rand(blocks, HEADS, e, generator=generator)
+    keys = torch.randn(blocks, HEADS, e, DIM, generator=generator)
+    values = torch.randn(blocks, HEADS, e, DIM, generator=generator)
+    pages[..., layout.scale_end :] = layout.write_exact(offsets, errors, keys, values)
+    return pages
+
+
+def _row(
+    layout: WeaveSlot, cached: int, recent_first: int, sinks: int, generator: torch.Generator
+) -> WeaveRow:
+    def basis(rank: int) -> torch.Tensor:
+        return torch.randn(rank, HEADS * DIM, generator=generator) / rank**0.5
+
+    recent = recent_first < cached
+    return WeaveRow(
+        cached=cached,
+        kb=basis(layout.rank_k),
+        kmean=torch.randn(HEADS * DIM, generator=generator) * 0.3,
+        vb=basis(layout.rank_v),
+        vmean=torch.randn(HEADS * DIM, generator=generator) * 0.3,
+        sink_k=torch.randn(sinks, HEADS, DIM, generator=generator),
+        sink_v=torch.randn(sinks, HEADS, DIM, generator=generator),
+        recent_first=recent_first,
+        recent_k=torch.randn(HEADS, BLOCK, DIM, generator=generator) if recent else torch.empty(0),
+        recent_v=torch.randn(HEADS, BLOCK, DIM, generator=generator) if recent else torch.empty(0),
+    )
+
+
+@pytest.mark.parametrize("bits,group", [(4, 7), (8, 2), (4, 1)])
+def test_decode_rows_matches_the_torch_reference(bits: int, group: int) -> None:
+    """Rows of different lengths in one call: one with a newest partial block, one of whole blocks, one shorter
+    than its sinks and inside its first (partial) block, one with no sinks held."""
+    layout = WeaveSlot.of(
+        VllmMethod("depthweave", bits=bits, rank_k=32, rank_v=48, exact=2), DIM, HEADS, BLOCK
+    )
+    generator = torch.Generator().manual_seed(bits * 10 + group)
+    pages = _pages(layout, 16, generator)
+    table = torch.randperm(16, generator=generator)[:12].view(3, 4).int()
+    table = torch.cat([table, table[:1]])  # a fourth row reads the first row's blocks
+    rows = [
+        _row(layout, 40, 32, 4, generator),
+        _row(layout, 48, 48, 4, generator),
+        _row(layout, 3, 0, 4, generator),
+        _row(layout, 37, 37, 0, generator),
+    ]
+    queries = torch.randn(4, HEADS, group, DIM, generator=generator)
+    new = torch.randn(4, HEADS, DIM, generator=generator), torch.randn(4, HEADS, DIM, generator=generator)
+    inv_freq = 1.0 / (10_000 ** (torch.arange(0, DIM, 2).float() / DIM))
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(64))
+    args = (queries, new, pages, table, rows, cos, sin, layout, DIM**-0.5)
+    want = cpu_vllm_weave.decode_rows_reference(*args)
+    got = cpu_vllm_weave.decode_rows(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_rows_refuses_rows_without_their_newest_exact_rows() -> None:
+    layout = WeaveSlot.of(VllmMethod("depthweave"), DIM, HEADS, BLOCK)
+    generator = torch.Generator().manual_seed(0)
+    pages = _pages(layout, 4, generator)
+    row = _row(layout, 20, 20, 4, generator)
+    row.recent_first = 16  # tokens 16.. from the newest block, but no rows given for them
+    cos, sin = rope_cos_sin(torch.ones(DIM // 2), torch.arange(32))
+    with pytest.raises(RuntimeError, match="newest block"):
+        cpu_vllm_weave.decode_rows(
+            torch.randn(1, HEADS, 2, DIM),
+            (torch.randn(1, HEADS, DIM), torch.randn(1, HEADS, DIM)),
+            pages,
+            torch.arange(2).view(1, 2).int(),
+            [row],
+            cos,
+            sin,
+            layout,
+            0.125,
+        )
