@@ -550,11 +550,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         if unfinished:
             assert self.residual is not None
             at_block = [quantized[i] // block_size for i in unfinished]
-            blocks = (
-                table[unfinished, at_block].tolist()
-                if len(unfinished) > 1
-                else [int(table[unfinished[0], at_block[0]])]
-            )
+            blocks = table[unfinished, at_block].tolist()
             held_rows = [self.residual.row_of[b] for b in blocks]
             if self.residual.keys.dtype == torch.float32:  # the kernel reads the residual's rows in place
                 residual = self.residual.keys
@@ -609,13 +605,12 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             held_total += held
             entry = self.bases.get(int(table[i, 0]))
             kb, kmean, vb, vmean, sink_k, sink_v = entry.kernel_view()
-            first, recent_k, recent_v = cached, torch.empty(0), torch.empty(0)
-            last = int(table[i, held - 1])
-            if last in self.recent[0].row_of:  # the newest block is partial: its tokens exact
-                first = (held - 1) * block_size
-                k_row, v_row = (residual.row_of[last] for residual in self.recent)
-                recent_k = self.recent[0].keys[k_row].float().contiguous()
-                recent_v = self.recent[1].keys[v_row].float().contiguous()
+            first, recent = self._newest_block(int(table[i, held - 1]), held, block_size, cached)
+            recent_k, recent_v = (
+                (torch.empty(0), torch.empty(0))
+                if recent is None
+                else (recent[0].float().contiguous(), recent[1].float().contiguous())
+            )
             reads.append(
                 cpu_vllm_weave.WeaveRow(
                     cached, kb, kmean, vb, vmean, sink_k, sink_v, first, recent_k, recent_v
@@ -786,10 +781,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             keys.new_empty(0, keys.shape[-1]),
         )
         sinks = min(entry.sinks_held, cached)
-        first = cached  # the newest partial block's first token (none: cached)
-        last = int(ids[-1])
-        if last in self.recent[0].row_of:  # the newest block is partial: its tokens exact
-            first = (ids.shape[0] - 1) * block_size
+        first, recent = self._newest_block(int(ids[-1]), ids.shape[0], block_size, cached)
         if layout.exact:
             offsets, _, exact_keys, exact_values = layout.read_exact(
                 layout.tails(blocks)
@@ -802,12 +794,22 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             pairs = (position[shown], head[shown], exact_values[shown].float())
         keys[:sinks] = entry.sink_k[:sinks].float()
         spans = [(0, min(sinks, first), entry.sink_v[: min(sinks, first)].float())]
-        if first < cached:
+        if recent is not None:
             span = slice(0, cached - first)
-            k_row, v_row = (residual.row_of[last] for residual in self.recent)
-            keys[first:cached] = self.recent[0].keys[k_row, :, span].transpose(0, 1).float()
-            spans.append((first, cached, self.recent[1].keys[v_row, :, span].transpose(0, 1).float()))
+            keys[first:cached] = recent[0][:, span].transpose(0, 1).float()
+            spans.append((first, cached, recent[1][:, span].transpose(0, 1).float()))
         return WeaveRead(entry, keys, cv.flatten(0, 1)[:cached], pairs, spans)
+
+    def _newest_block(
+        self, last: int, held: int, block_size: int, cached: int
+    ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The first token of a request's newest block ``last`` (its ``held``-th) when that block is partial, and
+        its exact keys and values ``[H, block_size, D]``; ``(cached, None)`` when the block is full."""
+        assert self.recent is not None
+        if last not in self.recent[0].row_of:
+            return cached, None
+        k_row, v_row = (residual.row_of[last] for residual in self.recent)
+        return (held - 1) * block_size, (self.recent[0].keys[k_row], self.recent[1].keys[v_row])
 
     def _weave_stored(
         self, blocks: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
