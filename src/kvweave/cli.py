@@ -326,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         "into every method whose prefill attention is exact)",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=_non_negative,
+        default=0,
+        help="prefill the prompt this many tokens at a time (default 0: whole), the shared recording kept in "
+        "memory-mapped temporary files ($TMPDIR): for points whose whole-prompt prefill does not fit in memory "
+        "(e.g. 4 x 32K at an 8B shape); rows say prefill_chunk",
+    )
+    p.add_argument(
         "--restart",
         action="store_true",
         help="measure every point again (default: with --out, points whose rows are already there are skipped, "

@@ -292,6 +292,53 @@ def test_shared_prefill_replay_equals_real_prefill(name, arch):
     assert torch.equal(_generate(model, full_ids, None, real), _generate(model, full_ids, None, replayed))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_chunked_prefill_recording_replays_as_the_whole_one(arch, tmp_path):
+    """``record_prefill(chunk=N)`` (the prompt N tokens at a time, recorded into memory-mapped files) gives
+    every replaying method the cache the whole-prompt recording gives: the same bytes and the same next-token
+    logits up to the summation order of chunked attention; the spill files are gone from the folder at once."""
+    from kvweave.eval.prefill import record_prefill, replay_prefill
+
+    model = tiny_model(arch)
+    torch.manual_seed(5)
+    ids = torch.randint(3, 150, (2, 70))
+    whole_logits: list[torch.Tensor] = []
+    chunk_logits: list[torch.Tensor] = []
+    whole = record_prefill(model, ids, logits=whole_logits)
+    seen: list[tuple[int, int]] = []
+    chunked = record_prefill(
+        model, ids, logits=chunk_logits, chunk=16, spill=tmp_path, progress=lambda d, t: seen.append((d, t))
+    )
+    assert seen == [(16, 70), (32, 70), (48, 70), (64, 70), (70, 70)]
+    assert list(tmp_path.iterdir()) == []
+    torch.testing.assert_close(chunk_logits[0], whole_logits[0], atol=1e-4, rtol=1e-4)
+    nxt = torch.randint(3, 150, (2, 1))
+    for name in NAMES:
+        if not _method(name).replays_prefill(model.config, 70):
+            continue
+        caches = [kvweave.make_cache(_method(name), model) for _ in range(2)]
+        for cache, recorded in zip(caches, (whole, chunked), strict=True):
+            replay_prefill(cache, recorded, ids)
+        assert caches[0].nbytes() == caches[1].nbytes(), name
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == 70, name
+        with torch.no_grad():
+            a, b = (model(nxt, **{cache_kwarg(model): c}).logits for c in caches)
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def test_a_chunked_recording_refuses_padding_and_bad_chunks():
+    from kvweave.eval.prefill import record_prefill
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 150, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="without padding.*--prefill-chunk 0"):
+        record_prefill(model, ids, attention_mask=mask, chunk=8)
+    with pytest.raises(ValueError, match="--prefill-chunk must be 0"):
+        record_prefill(model, ids, chunk=-1)
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if not METHODS[n].exact])
 def test_nan_in_prompt_keys_is_refused_with_the_way_out(name):
     """A prompt whose keys or values hold NaN/Inf (an overflowing model) is refused, never compressed."""

@@ -116,6 +116,34 @@ def test_one_recorded_prefill_per_point_replays_into_every_exact_method(tiny, mo
         assert tokens[(True, method)] == tokens[(False, method)], method
 
 
+def test_a_chunked_prefill_point_gives_the_rows_of_a_whole_one(tiny, monkeypatch):
+    """``--prefill-chunk``: the shared recording and the own prefills go through the model in chunks; the rows
+    say so and hold what the whole-prompt point holds (the same bytes, replays and own prefills alike)."""
+    methods = ["full", "quant:residual=8,group=8", "pi:factor=2"]
+    rows = {}
+    messages: list[str] = []
+    for chunk in (0, 16):
+        config = bench.BenchConfig(
+            methods=methods,
+            contexts=[48],
+            batches=[2],
+            model=None,
+            shape="qwen2.5-0.5b",
+            steps=1,
+            rounds=1,
+            warmup=0,
+            prefill_chunk=chunk,
+        )
+        rows[chunk] = {r["method"]: r for r in bench.run_bench(config, lambda row: None, messages.append)}
+    for method in methods:
+        assert rows[16][method]["prefill_chunk"] == 16 and rows[0][method]["prefill_chunk"] == 0
+        assert rows[16][method]["prefill"] == rows[0][method]["prefill"]
+        assert rows[16][method]["kv_bytes"] == rows[0][method]["kv_bytes"], method
+    assert any("recording the prefill: 32/48 tokens" in m for m in messages)
+    with pytest.raises(ValueError, match="--prefill-chunk"):
+        bench.BenchConfig(methods=["full"], contexts=[64], prefill_chunk=-2)
+
+
 def test_a_rerun_resumes_after_the_points_already_written(tiny, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     argv = [
@@ -181,8 +209,8 @@ def test_prefill_rounds_are_interleaved_and_reported_as_medians(tiny, monkeypatc
     seconds = iter([10.0, 13.0, 12.0, 12.0, 11.0, 30.0])  # full, window; full, window; full, window
     real = bench._prefill
 
-    def timed(model, spec, ids, device, shared=None):
-        trial = real(model, spec, ids, device, shared)
+    def timed(model, spec, ids, device, shared=None, chunk=0):
+        trial = real(model, spec, ids, device, shared, chunk)
         if ids.shape[1] > 256:  # the untimed 256-token warm-up is not a round
             order.append(spec.split(":")[0])
             trial.prefill_s = next(seconds)

@@ -199,6 +199,80 @@ def test_depthweave_keeps_the_worst_represented_tokens_exact(monkeypatch: pytest
         torch.testing.assert_close(got_k.transpose(0, 1)[needle], rotated[needle].half().float())
 
 
+def test_depthweave_stores_a_steps_decode_rows_together_as_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode rows of several requests in one step (each on its own basis, one crossing into a new block) are
+    stored together (:meth:`_weave_store_decode`): the same page bytes, residual rows and attention outputs as
+    the same tokens stored one request per step."""
+    from kvweave.vllm.backend import KvweaveMetadata
+
+    torch.manual_seed(6)
+    block, lengths, prompt = 16, [40, 47, 33], [30, 31, 32]
+    spec = "depthweave:rank_k=16,rank_v=16,exact=1"
+    data = []
+    for length in lengths:
+        keys = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64)
+        data.append((keys, torch.randn(length, 2, 64)))
+    tables = [torch.tensor([3, 9, 4, 11]), torch.tensor([0, 7, 2, 14]), torch.tensor([5, 1, 13, 6])]
+    outputs, pages = [], []
+    for together in (True, False):
+        impl = _impl(spec, monkeypatch)
+        impl.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+        slot = WeaveSlot.of(impl.method, 64, 2, block)
+        cache = torch.zeros(16, 2, block, slot.nbytes // 4)
+        for (keys, values), table, first in zip(data, tables, prompt, strict=True):
+            feed(
+                impl,
+                cache,
+                table.int(),
+                keys[:first],
+                values[:first],
+                [first],
+                lambda n: torch.randn(n, 4, 64),
+            )
+        torch.manual_seed(7)
+        got = []
+        for step in range(8):
+            rows = [i for i in range(3) if prompt[i] + step < lengths[i]]
+            groups = [rows] if together else [[i] for i in rows]
+            for group in groups:
+                at = [prompt[i] + step for i in group]
+                keys = torch.stack([data[i][0][t] for i, t in zip(group, at, strict=True)])
+                values = torch.stack([data[i][1][t] for i, t in zip(group, at, strict=True)])
+                cos, sin = rope_cos_sin(impl.inv_freq, torch.tensor(at))
+                rotated = keys * cos.unsqueeze(1) + torch.cat(
+                    [-keys[..., 32:], keys[..., :32]], -1
+                ) * sin.unsqueeze(1)
+                meta = KvweaveMetadata(
+                    num_actual_tokens=len(group),
+                    query_start=list(range(len(group) + 1)),
+                    seq_lens=[t + 1 for t in at],
+                    block_table=torch.stack([tables[i] for i in group]).int(),
+                    slot_mapping=torch.tensor(
+                        [
+                            int(tables[i][t // block]) * block + t % block
+                            for i, t in zip(group, at, strict=True)
+                        ]
+                    ),
+                )
+                impl.do_kv_cache_update(None, rotated, values, cache, meta.slot_mapping)
+                query = torch.stack(
+                    [
+                        torch.randn(4, 64, generator=torch.Generator().manual_seed(100 * i + t))
+                        for i, t in zip(group, at, strict=True)
+                    ]
+                )
+                out = torch.empty(len(group), 4, 64)
+                impl.forward(None, query, rotated, values, cache, meta, out)
+                got += [(i, t, out[j]) for j, (i, t) in enumerate(zip(group, at, strict=True))]
+        outputs.append(sorted(got, key=lambda x: (x[0], x[1])))
+        pages.append(cache.view(torch.uint8).clone())
+    assert torch.equal(pages[0], pages[1])
+    for (i, t, a), (_, _, b) in zip(*outputs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"request {i}, token {t}")
+
+
 @pytest.mark.parametrize("length", [150, 131, 3])
 def test_depthweave_decode_weights_value_coordinates_as_attention_over_the_rebuilt_values(
     monkeypatch: pytest.MonkeyPatch, length: int

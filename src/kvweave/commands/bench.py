@@ -29,6 +29,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prefill_rounds=args.prefill_rounds,
         warmup=args.warmup,
         share_prefill=not args.own_prefill,
+        prefill_chunk=args.prefill_chunk,
     )
     out = None
     if args.out:  # a folder gets bench.jsonl and the command line beside it (the report prints it)

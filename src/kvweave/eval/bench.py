@@ -8,6 +8,9 @@ recorded and replayed into every method whose prefill attention is exact (``Meth
 evaluation's :mod:`kvweave.eval.prefill`; the replay hands the cache the prompt's ids as a forward pass would);
 the others (``prefill: "own"`` in their rows) run their own forward pass. Each row reports:
 
+- ``prefill_chunk``: 0 for a whole-prompt prefill; else the prompt went through the model this many tokens
+  at a time (``--prefill-chunk``: the recording then lives in memory-mapped temporary files, for points whose
+  whole prefill does not fit in memory; :func:`kvweave.eval.prefill.record_prefill`);
 - ``ms_per_token``: the median over rounds of the round's mean step time; ``tok_s`` = batch / step time;
 - ``speedup``: ``full``'s step time / this method's, measured in the same run;
 - ``prefill_s`` and ``overhead_s`` (prefill minus ``full``'s prefill: what compressing costs), after an
@@ -110,6 +113,7 @@ class BenchConfig:
     prefill_rounds: int = 1  # each method's prefill this many times, interleaved; rows report the median
     warmup: int = 2
     share_prefill: bool = True  # one recorded exact prefill per point, replayed into every method that can
+    prefill_chunk: int = 0  # > 0: prefill this many tokens at a time (recording in memory-mapped files)
     reruns: int = 1  # a loaded point's decode rounds are run again at most this often
     skip: frozenset[tuple[int, int]] = frozenset()  # (context, batch) points already in the output rows
 
@@ -118,6 +122,10 @@ class BenchConfig:
             raise ValueError(f"--shape {self.shape!r} is not known; choose one of {sorted(SHAPES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        if self.prefill_chunk < 0:
+            raise ValueError(
+                f"--prefill-chunk must be 0 (whole prompt) or positive, got {self.prefill_chunk}"
+            )
         for name in ("steps", "rounds", "prefill_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -235,8 +243,15 @@ class _Trial:
 class SharedRecording:
     """One exact prefill of a point's prompt, recorded on first use and replayed into each method's cache."""
 
-    def __init__(self, model: Any, ids: torch.Tensor, device: str) -> None:
-        self.model, self.ids, self.device = model, ids, device
+    def __init__(
+        self,
+        model: Any,
+        ids: torch.Tensor,
+        device: str,
+        chunk: int = 0,
+        progress: Callable[[str], None] = lambda text: None,
+    ) -> None:
+        self.model, self.ids, self.device, self.chunk, self.progress = model, ids, device, chunk, progress
         self.steps: list[Any] | None = None
         self.token: torch.Tensor | None = None
         self.seconds = 0.0
@@ -249,7 +264,18 @@ class SharedRecording:
             logits: list[torch.Tensor] = []
             _sync(self.device)
             start = time.perf_counter()
-            self.steps = record_prefill(self.model, self.ids, logits=logits)
+            started = time.perf_counter()
+
+            def report(done: int, total: int) -> None:
+                spent = time.perf_counter() - started
+                left = spent * (total - done) / done if done else 0.0  # attention grows: a lower bound
+                self.progress(
+                    f"recording the prefill: {done}/{total} tokens, {spent:.0f} s, >= {left:.0f} s to go"
+                )
+
+            self.steps = record_prefill(
+                self.model, self.ids, logits=logits, chunk=self.chunk, progress=report
+            )
             _sync(self.device)
             self.seconds, self.token = time.perf_counter() - start, logits[0].argmax(-1)
         _sync(self.device)
@@ -260,7 +286,12 @@ class SharedRecording:
 
 
 def _prefill(
-    model: Any, spec: str, ids: torch.Tensor, device: str, shared: SharedRecording | None = None
+    model: Any,
+    spec: str,
+    ids: torch.Tensor,
+    device: str,
+    shared: SharedRecording | None = None,
+    chunk: int = 0,
 ) -> _Trial:
     import kvweave
     from kvweave._compat import cache_kwarg
@@ -273,7 +304,10 @@ def _prefill(
         return _Trial(spec, cache, token, elapsed, _peak(device), how="replayed")
     _sync(device)
     start = time.perf_counter()
-    logits = model(ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits
+    step = chunk if 0 < chunk < ids.shape[1] else ids.shape[1]  # a chunked prefill: the prefix pattern
+    for first in range(0, ids.shape[1], step):
+        piece = ids[:, first : first + step]
+        logits = model(piece, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits
     _sync(device)
     elapsed = time.perf_counter() - start
     return _Trial(spec, cache, logits[:, -1:].argmax(-1), elapsed, _peak(device))
@@ -361,7 +395,12 @@ def run_bench(
                 ids = prompt(tokenizer, vocab, context, batch, config.device)
                 for spec in specs:  # untimed: the first forward of each method pays one-off costs
                     _prefill(model, spec, ids[:, : min(context, 256)], config.device)
-                shared = SharedRecording(model, ids, config.device) if config.share_prefill else None
+                point_progress = _point_progress(progress, context, batch)
+                shared = (
+                    SharedRecording(model, ids, config.device, config.prefill_chunk, point_progress)
+                    if config.share_prefill
+                    else None
+                )
                 slots: list[_Trial | None] = [None] * len(specs)
                 started = time.perf_counter()
                 for round_ in range(config.prefill_rounds):  # interleaved: drift hits every method alike
@@ -373,7 +412,7 @@ def run_bench(
                         earlier = slots[index]
                         rounds = earlier.prefill_rounds if earlier is not None else []
                         slots[index] = earlier = None  # free the older cache before the next prefill
-                        trial = _prefill(model, spec, ids, config.device, shared)
+                        trial = _prefill(model, spec, ids, config.device, shared, config.prefill_chunk)
                         trial.prefill_rounds = [*rounds, trial.prefill_s]
                         slots[index] = trial
                         done = time.perf_counter() - started
@@ -415,6 +454,13 @@ def run_bench(
                 rows += point
                 del trials
     return rows
+
+
+def _point_progress(progress: Callable[[str], None], context: int, batch: int) -> Callable[[str], None]:
+    def show(text: str) -> None:
+        progress(f"context {context}, batch {batch}: {text}")
+
+    return show
 
 
 def _prefill_eta(
@@ -496,6 +542,7 @@ def _rows(
                     4,
                 ),
                 "prefill": trial.how,
+                "prefill_chunk": config.prefill_chunk,
                 "kernels": kernels_used(trial.cache),
                 "overhead_s": round(trial.prefill_s - full.prefill_s, 3),
                 "kv_bytes": held,

@@ -603,9 +603,10 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             cached = meta.seq_lens[r] - 1
             held = -(-cached // block_size)
             held_total += held
-            entry = self.bases.get(int(table[i, 0]))
+            owner, last = table[i, [0, held - 1]].tolist()
+            entry = self.bases.get(owner)
             kb, kmean, vb, vmean, sink_k, sink_v = entry.kernel_view()
-            first, recent = self._newest_block(int(table[i, held - 1]), held, block_size, cached)
+            first, recent = self._newest_block(last, held, block_size, cached)
             recent_k, recent_v = (
                 (torch.empty(0), torch.empty(0))
                 if recent is None
@@ -719,9 +720,13 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         assert self.recent is not None
         block_size, heads = pages.shape[2], self.num_kv_heads
         changed = False  # a basis put (or dropped) or sinks added: the side bytes to count again
+        decode: list[int] = []  # rows of one new token past the sinks: stored together below
         for row, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start[row], meta.query_start[row + 1]
             if end <= start:
+                continue
+            if end - start == 1 and seq_len - 1 >= self.method.sinks and seq_len > 1:
+                decode.append(row)
                 continue
             slots = meta.slot_mapping[start:end].long()
             if bool((slots < 0).any()):
@@ -758,8 +763,59 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 if kept is not None:
                     full &= kept
                 residual.release(blocks[full])
+        if decode:
+            self._weave_store_decode(key, value, pages, layout, meta, decode)
         if changed:
             _weave_side(id(self), len(self.bases.entries), self.bases.nbytes())
+
+    def _weave_store_decode(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        meta: KvweaveMetadata,
+        rows: list[int],
+    ) -> None:
+        """:meth:`_weave_store` for decode ``rows`` (one new token each, past the sinks, on a basis fitted
+        already), all rows at once: one de-rotation, one batched projection on the rows' own bases, one pack,
+        one exact-row choice and one residual write for the step, instead of a dozen small calls per row."""
+        assert self.bases is not None and self.recent is not None
+        heads, block_size = self.num_kv_heads, pages.shape[2]
+        starts = [meta.query_start[r] for r in rows]
+        at = torch.tensor(starts)
+        slots = meta.slot_mapping[at].long()
+        if bool((slots < 0).any()):
+            raise RuntimeError(
+                "kvweave depthweave: a request's new token has no slot (-1 in the slot mapping)"
+            )
+        positions = [meta.seq_lens[r] - 1 for r in rows]
+        cos, sin = self._rope(0, max(positions) + 1)
+        where = torch.tensor(positions)
+        k_exact, v_exact = key[at], value[at]  # [R, H, D], post-RoPE keys
+        k_pre = (
+            remove_rotary(k_exact.float().transpose(0, 1), cos[where], sin[where]).transpose(0, 1).flatten(1)
+        )
+        v_flat = v_exact.float().flatten(1)
+        table = meta.block_table[torch.tensor(rows), 0].tolist()
+        entries = [self.bases.get(int(owner)) for owner in table]
+        k_coords = _encode_rows([entry.k for entry in entries], k_pre)
+        v_coords = _encode_rows([entry.v for entry in entries], v_flat)
+        packed = layout.pack(k_coords, v_coords)  # [R, H, scale_end]
+        blocks, offsets = slots // block_size, slots % block_size
+        pages[blocks, :, offsets, : layout.scale_end] = packed
+        if layout.exact:
+            ck, cv = layout.unpack(packed.transpose(0, 1))
+            error = _relative_error(_decode_rows([e.k for e in entries], ck), k_pre, heads) + _relative_error(
+                _decode_rows([e.v for e in entries], cv), v_flat, heads
+            )
+            _keep_worst_exact(pages, layout, blocks, offsets, error, k_exact, v_exact)
+        for residual, exact in zip(self.recent, (k_exact, v_exact), strict=True):
+            kept = residual.store(blocks, offsets, exact)
+            full = offsets == block_size - 1
+            if kept is not None:
+                full &= kept
+            residual.release(blocks[full])
 
     def _weave_read(
         self, blocks: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
@@ -1047,6 +1103,22 @@ class WeaveBases:
 
     def nbytes(self) -> int:
         return sum(entry.nbytes for entry in self.entries.values())
+
+
+def _encode_rows(bases: list[Basis], x: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of ``x: [R, H·D]`` on ``bases[i]`` (:meth:`Basis.encode` of each, batched) -> ``[R, r]``."""
+    mean = torch.stack([b.mean for b in bases])
+    rows = torch.stack([b.rows for b in bases]).float()  # [R, r, H·D]
+    scale = torch.stack([b.scale for b in bases])
+    return torch.bmm(rows, (x.float() - mean).unsqueeze(-1)).squeeze(-1) / scale
+
+
+def _decode_rows(bases: list[Basis], coords: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of ``coords: [R, r]`` through ``bases[i]`` (:meth:`Basis.decode` of each, batched)."""
+    rows = torch.stack([b.rows for b in bases]).float()
+    scale = torch.stack([b.scale for b in bases])
+    mean = torch.stack([b.mean for b in bases])
+    return torch.bmm((coords * scale).unsqueeze(1), rows).squeeze(1) + mean
 
 
 def _relative_error(stored: torch.Tensor, exact: torch.Tensor, heads: int) -> torch.Tensor:
