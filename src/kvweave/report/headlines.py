@@ -281,6 +281,23 @@ HEADLINES: dict[str, Headline] = {
         for tokens in (2048, 4096)
         for rows in (1, 32)
     },
+    **{  # the same after the store of a step's decode rows was batched (fourteenth session)
+        f"vllm-stepw2-{short}-{tokens // 1024}k-r{rows}": Headline(
+            "docs/data/vllm/decode-step-weave-v2.jsonl",
+            method,
+            "ms_per_step",
+            "{:.2f}" if rows == 1 else "{:.1f}",
+            (("path", path), ("tokens", tokens), ("rows", rows)),
+            kvweave_spec=False,
+        )
+        for short, method, path in (
+            ("none", "none", "vllm"),
+            ("dw", "depthweave", "fused"),
+            ("dwtorch", "depthweave", "factored"),
+        )
+        for tokens in (2048, 4096)
+        for rows in (1, 32)
+    },
     **{
         f"vllm-step-{short}-{tokens // 1024}k-r{rows}": Headline(
             f"docs/data/vllm/{rows_file}.jsonl",
