@@ -146,6 +146,17 @@ HEADLINES: dict[str, Headline] = {
         for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
         for point, context, batch in (("32k", 32768, 1), ("16kb4", 16384, 4))
     },
+    **{  # the llama-3.1-8b shape (4 layers, random weights) at 32K x 4, prefilled in chunks (fourteenth session)
+        f"{short}-llama32kb4-{what}": Headline(
+            "docs/data/bench/bench-llama-32k-b4.jsonl",
+            method,
+            field,
+            fmt,
+            (("context", 32768), ("batch", 4)),
+        )
+        for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
+        for what, field, fmt in (("speed", "speedup", "{:.2f}x"), ("bound", "bound", "{:.2f}x"))
+    },
     **{
         f"{short}-{task_short}-4k-{what}": Headline(
             "docs/data/runs/xkv-4k/rows.jsonl",
