@@ -718,7 +718,6 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             rows = (self.num_kv_heads, pages.shape[2], self.head_size, key.dtype, self.max_requests)
             self.recent = (KeyResidual(*rows), KeyResidual(*rows))
         assert self.recent is not None
-        block_size, heads = pages.shape[2], self.num_kv_heads
         changed = False  # a basis put (or dropped) or sinks added: the side bytes to count again
         decode: list[int] = []  # rows of one new token past the sinks: stored together below
         for row, seq_len in enumerate(meta.seq_lens):
@@ -748,21 +747,16 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             else:
                 entry = self.bases.get(owner)
             changed |= entry.add_sinks(first, k_exact, v_exact)
-            packed = layout.pack(entry.k.encode(k_pre), entry.v.encode(v_flat))  # [n, H, scale_end]
-            blocks, offsets = slots // block_size, slots % block_size
-            pages[blocks, :, offsets, : layout.scale_end] = packed
-            if layout.exact:
-                ck, cv = layout.unpack(packed.transpose(0, 1))
-                error = _relative_error(entry.k.decode(ck), k_pre, heads) + _relative_error(
-                    entry.v.decode(cv), v_flat, heads
-                )  # [n, H]: how badly the stored form represents each token
-                _keep_worst_exact(pages, layout, blocks, offsets, error, k_exact, v_exact)
-            for residual, exact in zip(self.recent, (k_exact, v_exact), strict=True):
-                kept = residual.store(blocks, offsets, exact)
-                full = offsets == block_size - 1
-                if kept is not None:
-                    full &= kept
-                residual.release(blocks[full])
+            coords = (entry.k.encode(k_pre), entry.v.encode(v_flat))
+            self._weave_write(
+                pages,
+                layout,
+                slots,
+                (k_pre, v_flat),
+                (k_exact, v_exact),
+                coords,
+                (entry.k.decode, entry.v.decode),
+            )
         if decode:
             self._weave_store_decode(key, value, pages, layout, meta, decode)
         if changed:
@@ -781,7 +775,6 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         already), all rows at once: one de-rotation, one batched projection on the rows' own bases, one pack,
         one exact-row choice and one residual write for the step, instead of a dozen small calls per row."""
         assert self.bases is not None and self.recent is not None
-        heads, block_size = self.num_kv_heads, pages.shape[2]
         starts = [meta.query_start[r] for r in rows]
         at = torch.tensor(starts)
         slots = meta.slot_mapping[at].long()
@@ -799,19 +792,38 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         v_flat = v_exact.float().flatten(1)
         table = meta.block_table[torch.tensor(rows), 0].tolist()
         entries = [self.bases.get(int(owner)) for owner in table]
-        k_coords = _encode_rows([entry.k for entry in entries], k_pre)
-        v_coords = _encode_rows([entry.v for entry in entries], v_flat)
-        packed = layout.pack(k_coords, v_coords)  # [R, H, scale_end]
+        k_bases, v_bases = [entry.k for entry in entries], [entry.v for entry in entries]
+        coords = (_encode_rows(k_bases, k_pre), _encode_rows(v_bases, v_flat))
+        decoders = (lambda c: _decode_rows(k_bases, c), lambda c: _decode_rows(v_bases, c))
+        self._weave_write(pages, layout, slots, (k_pre, v_flat), (k_exact, v_exact), coords, decoders)
+
+    def _weave_write(
+        self,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        slots: torch.Tensor,
+        flat: tuple[torch.Tensor, torch.Tensor],
+        exact: tuple[torch.Tensor, torch.Tensor],
+        coords: tuple[torch.Tensor, torch.Tensor],
+        decoders: tuple[Any, Any],
+    ) -> None:
+        """Write tokens at ``slots: [n]``: their coordinates ``coords`` packed into the pages, the blocks' worst
+        represented tokens exact in the tails (error of ``decoders`` applied to the stored coordinates against
+        ``flat``: pre-RoPE keys and values ``[n, H·D]``), the exact rows ``exact: [n, H, D]`` in the residual of
+        each block still being filled."""
+        assert self.recent is not None
+        heads, block_size = self.num_kv_heads, pages.shape[2]
+        packed = layout.pack(*coords)  # [n, H, scale_end]
         blocks, offsets = slots // block_size, slots % block_size
         pages[blocks, :, offsets, : layout.scale_end] = packed
         if layout.exact:
-            ck, cv = layout.unpack(packed.transpose(0, 1))
-            error = _relative_error(_decode_rows([e.k for e in entries], ck), k_pre, heads) + _relative_error(
-                _decode_rows([e.v for e in entries], cv), v_flat, heads
-            )
-            _keep_worst_exact(pages, layout, blocks, offsets, error, k_exact, v_exact)
-        for residual, exact in zip(self.recent, (k_exact, v_exact), strict=True):
-            kept = residual.store(blocks, offsets, exact)
+            stored = layout.unpack(packed.transpose(0, 1))
+            (k_decode, v_decode), (ck, cv), (k_pre, v_flat) = decoders, stored, flat
+            error = _relative_error(k_decode(ck), k_pre, heads) + _relative_error(v_decode(cv), v_flat, heads)
+            # error [n, H]: how badly the stored form represents each token
+            _keep_worst_exact(pages, layout, blocks, offsets, error, *exact)
+        for residual, rows in zip(self.recent, exact, strict=True):
+            kept = residual.store(blocks, offsets, rows)
             full = offsets == block_size - 1
             if kept is not None:
                 full &= kept
