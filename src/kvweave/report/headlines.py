@@ -275,31 +275,19 @@ HEADLINES: dict[str, Headline] = {
             ("c32k4t1024", "load-4k-1024-v8"),  # 4K prompts, 1,024 tokens: ~8 full-cache requests fit
         )
     },
-    **{  # depthweave's fused decode kernel beside its torch paths and vLLM's own (thirteenth session)
-        f"vllm-stepw-{short}-{tokens // 1024}k-r{rows}": Headline(
-            "docs/data/vllm/decode-step-weave.jsonl",
+    **{  # depthweave's fused decode kernel beside its torch paths and vLLM's own (thirteenth session), and
+        # again after the store of a step's decode rows was batched (fourteenth session, v2)
+        f"{prefix}-{short}-{tokens // 1024}k-r{rows}": Headline(
+            f"docs/data/vllm/{rows_file}.jsonl",
             method,
             "ms_per_step",
             "{:.2f}" if rows == 1 else "{:.1f}",
             (("path", path), ("tokens", tokens), ("rows", rows)),
             kvweave_spec=False,
         )
-        for short, method, path in (
-            ("none", "none", "vllm"),
-            ("dw", "depthweave", "fused"),
-            ("dwtorch", "depthweave", "factored"),
-        )
-        for tokens in (2048, 4096)
-        for rows in (1, 32)
-    },
-    **{  # the same after the store of a step's decode rows was batched (fourteenth session)
-        f"vllm-stepw2-{short}-{tokens // 1024}k-r{rows}": Headline(
-            "docs/data/vllm/decode-step-weave-v2.jsonl",
-            method,
-            "ms_per_step",
-            "{:.2f}" if rows == 1 else "{:.1f}",
-            (("path", path), ("tokens", tokens), ("rows", rows)),
-            kvweave_spec=False,
+        for prefix, rows_file in (
+            ("vllm-stepw", "decode-step-weave"),
+            ("vllm-stepw2", "decode-step-weave-v2"),
         )
         for short, method, path in (
             ("none", "none", "vllm"),
