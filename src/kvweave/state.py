@@ -5,7 +5,8 @@ Every kvweave object a saved cache holds (cache layers, tiers, stores, groups, t
 ``state_name`` (its qualified class name unless set), never under its module path and never as the whole
 attribute graph. So moving a class between modules keeps the format, and renaming a saved attribute changes
 ``state_fields``, which the pinned schema test (``tests/methods/test_cache_schema.py``) catches: either keep
-the saved name or raise ``kvweave.persist.FORMAT_VERSION``.
+the saved name or raise ``kvweave.persist.FORMAT_VERSION``. A new field may instead be declared in
+``state_defaults`` with the value an older file stands for: files saved before it still load.
 
 Attributes not listed are either rebuilt by :meth:`Stateful.after_load` or, for the cache's layers and its
 context, come from the freshly built cache the state is loaded into.
@@ -24,6 +25,9 @@ class Stateful:
 
     state_name: ClassVar[str] = ""
     state_fields: ClassVar[tuple[str, ...]] = ()
+    state_defaults: ClassVar[dict[str, Any]] = {}
+    """Fields added after format version 2 was fixed, with the value a file saved before them stands for: such a
+    file still loads (the pinned schema test allows exactly these additions without a version change)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -59,14 +63,16 @@ class Stateful:
         return {name: getattr(self, name) for name in self.saved_fields()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Restore the saved fields (exactly those of this class: a file with others is from another format)."""
+        """Restore the saved fields (exactly those of this class, less fields added later with a default: a file
+        with others is from another format)."""
         expected, found = set(self.saved_fields()), set(state)
-        if expected != found:
+        added = {name: value for name, value in self.state_defaults.items() if name not in found}
+        if expected != found | set(added) or not set(added) <= expected:
             raise ValueError(
                 f"{type(self).state_name}: the saved state has fields {sorted(found)}, this kvweave "
                 f"expects {sorted(expected)}"
             )
-        for name, value in state.items():
+        for name, value in {**added, **state}.items():
             object.__setattr__(self, name, value)
         self.after_load()
 

@@ -670,3 +670,119 @@ def test_pinned_pages_are_the_ones_a_multi_token_step_attended_and_every_decode_
         ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{cache_kwarg(model): cache}
     )
     assert out.shape[1] == 126
+
+
+def _decode(model, cache, ids, start, stop):
+    with torch.no_grad():
+        model(ids[:, :start], **{cache_kwarg(model): cache})
+        for t in range(start, stop):
+            logits = model(ids[:, t : t + 1], **{cache_kwarg(model): cache}).logits
+    return logits
+
+
+def test_middle_tier_keeps_more_tokens_unfolded_inside_the_budget(model):
+    """``middle_bits``: the recent buffer's tokens beyond the newest ``recent`` wait as integer blocks, so the same
+    share of the budget keeps several times as many unfolded, and the held bytes still track ``compression``."""
+    from kvweave.methods.depthweave.middle import MIDDLE_BLOCK
+    from kvweave.registry import METHODS, parse_method
+
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0, "recent_share": 0.5}
+    ids = _ids(400, seed=0)
+    counts, ratios = {}, []
+    for bits in (0, 4, 2):
+        method = parse_method("depthweave", **options, middle_bits=bits)
+        cache = kvweave.make_cache(method, model, tokenizer=_Vocab({}))
+        with torch.no_grad():
+            model(ids[:, :96], **{cache_kwarg(model): cache})
+            for t in range(96, 400):
+                model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
+                if bits and t >= 150 and t % 25 == 0:
+                    ratios.append(cache.full_kv_bytes(bits=16) / cache.nbytes())
+        buffer = cache.context.groups[0].recent[0]
+        counts[bits] = buffer.count()
+        if bits:  # everything beyond the newest recent (+ a partial block) is in whole integer blocks
+            assert buffer.middle_count() > 0 and buffer.middle_count() % MIDDLE_BLOCK == 0
+            assert 8 <= buffer.keys.shape[2] < 8 + MIDDLE_BLOCK
+            assert buffer.positions.shape[1] == buffer.score.shape[1] == buffer.count()
+            start = cache.layers[0].seen - buffer.count()
+            assert buffer.positions[0].tolist() == list(range(start, cache.layers[0].seen))
+        else:
+            assert buffer.middle is None
+    assert counts[2] > counts[4] > 1.4 * counts[0], counts
+    # never past the budget by more than 15 %; a little more above it (blocks of 32 against a window of ~50 here)
+    assert all(3.0 * 0.85 <= r <= 3.0 * 1.2 for r in ratios), ratios
+
+
+def test_middle_tier_changes_nothing_before_the_share_threshold(model):
+    """A short answer (below ``recent x compression / recent_share`` generated tokens) gets the same tokens and
+    bytes with the middle tier as without it: the tier only prices the window the share buys."""
+    from kvweave.registry import METHODS, parse_method
+
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0}
+    outs, held = [], []
+    for bits in (0, 4):
+        cache = kvweave.make_cache(parse_method("depthweave", **options, middle_bits=bits), model)
+        outs.append(
+            model.generate(
+                _ids(96), max_new_tokens=40, min_new_tokens=40, do_sample=False, **{cache_kwarg(model): cache}
+            )
+        )
+        held.append(cache.nbytes())
+        assert all(g.recent[m].middle is None for g in cache.context.groups.values() for m in g.members)
+    assert torch.equal(outs[0], outs[1]) and held[0] == held[1]
+
+
+def test_middle_blocks_keep_order_when_a_fold_cuts_through_one():
+    """The buffer hands its oldest tokens to a fold middle first; a fold that ends inside a block keeps that
+    block's later tokens (dequantized, in order) and every position lines up with its token."""
+    from kvweave.methods.depthweave.group import RecentBuffer
+    from kvweave.methods.depthweave.middle import MiddleBlocks
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 3, 100, 64), torch.randn(2, 3, 100, 64)
+    buffer = RecentBuffer()
+    buffer.append(keys, values, torch.arange(100, dtype=torch.int32).expand(2, -1))
+    buffer.settle(recent=20, bits=4)  # 80 beyond the newest 20: two blocks of 32 move, 36 stay exact
+    assert buffer.middle_count() == 64 and buffer.keys.shape[2] == 36 and buffer.count() == 100
+    dense_keys, dense_values = buffer.row(1)
+    error = (dense_keys[:, :64] - keys[1, :, :64]).norm() / keys[1, :, :64].norm()
+    assert 0.01 < error < 0.15  # 4-bit codes: close, not exact
+    assert torch.equal(dense_keys[:, 64:], keys[1, :, 64:])  # the newest stay exact
+    old_keys, _ = buffer.oldest(70)  # 64 from the blocks, 6 exact
+    assert torch.allclose(old_keys[1], dense_keys[:, :70])
+    buffer.drop(40)  # cuts the second block: its last 24 tokens return to the exact part, dequantized
+    assert buffer.middle is None and buffer.count() == 60 and buffer.keys.shape[2] == 60
+    assert torch.allclose(buffer.row(1)[0], dense_keys[:, 40:])
+    assert buffer.positions[0].tolist() == list(range(40, 100))
+    blocks = MiddleBlocks.of(keys[:, :, :32], values[:, :, :32], 2)
+    assert blocks.select_rows(torch.tensor([1])).dense()[0].shape == (1, 3, 32, 64)
+
+
+@pytest.mark.parametrize("middle_bits", [0, 4])
+def test_a_cache_saved_while_its_window_grows_continues_the_same(model, tmp_path, middle_bits):
+    """Saved mid-generation while ``recent_share`` grows the window (with integer blocks in the buffer, or
+    without), a loaded cache continues with the same logits: the window follows from saved state alone (it was
+    once cached from the last fold's step, and a loaded cache folded elsewhere). A buffer saved before the
+    middle tier existed (no ``middle`` field) loads with none."""
+    from kvweave.methods.depthweave.group import RecentBuffer
+    from kvweave.registry import METHODS, parse_method
+
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0, "middle_bits": middle_bits}
+    ids = _ids(320, seed=1)
+    cache = kvweave.make_cache(parse_method("depthweave", **options), model, tokenizer=_Vocab({}))
+    _decode(model, cache, ids, 96, 300)
+    assert (cache.context.groups[0].recent[0].middle is not None) == bool(middle_bits)
+    kvweave.save_cache(cache, model, tmp_path / "kv")
+    loaded, _ = kvweave.load_cache(tmp_path / "kv", model)
+    with torch.no_grad():
+        for t in range(300, 320):
+            a = model(ids[:, t : t + 1], **{cache_kwarg(model): cache}).logits
+            b = model(ids[:, t : t + 1], **{cache_kwarg(model): loaded}).logits
+            assert torch.equal(a, b)
+    old = RecentBuffer()
+    state = old.get_state()
+    del state["middle"]
+    old.set_state(state)
+    assert old.middle is None
+    with pytest.raises(ValueError, match="expects"):
+        old.set_state({**state, "stray": 1})

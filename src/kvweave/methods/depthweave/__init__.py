@@ -235,6 +235,13 @@ class DepthWeave(Method):
         "0: always recent",
         tuning=True,
     )
+    middle_bits: int = option(
+        0,
+        "bits of the recent buffer's middle tier: 4 or 2 keeps the unfolded tokens beyond the newest recent as "
+        "KIVI integer blocks (keys per channel, values per token), so recent_share's bytes hold 3-5x more of "
+        "them; 0: all exact",
+        tuning=True,
+    )
     block: int = option(64, "tokens folded into the factorization at a time while decoding", tuning=True)
     decode_tokens: int = option(
         512,
@@ -317,6 +324,7 @@ class DepthWeave(Method):
         ({"recent": -1}, "recent"),
         ({"recent_share": 0.95}, "recent_share"),
         ({"page_choice": "best"}, "page_choice"),
+        ({"middle_bits": 3}, "middle_bits"),
         ({"block": 0}, "block"),
         ({"decode_tokens": -1}, "decode_tokens"),
         ({"page": 0}, "page"),
@@ -361,6 +369,7 @@ class DepthWeave(Method):
         self.check_choice("bits", [16, 8, 4])
         self.check_range("recent", 0)
         self.check_range("recent_share", 0.0, 0.9)
+        self.check_choice("middle_bits", [0, 8, 4, 2])
         self.check_range("block", 1)
         self.check_range("drift", 1.0)
         self.check_choice("storage", STORAGE_CHOICES)

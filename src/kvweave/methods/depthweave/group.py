@@ -17,6 +17,8 @@ import torch
 from kvweave.cache import tensors_nbytes
 from kvweave.methods.depthweave.chunk import Chunk
 from kvweave.methods.depthweave.factorize import add_chunk
+from kvweave.methods.depthweave.middle import MIDDLE_BLOCK, MiddleBlocks
+from kvweave.methods.depthweave.middle import token_bytes as middle_token_bytes
 from kvweave.methods.depthweave.probes import Probe
 from kvweave.methods.depthweave.ranks import Budget
 from kvweave.methods.depthweave.router import content_scores, retrievable_scores
@@ -32,26 +34,34 @@ _WARNED: set[tuple[float, int]] = set()
 
 
 class RecentBuffer(Stateful):
-    """One member layer's newest tokens, exact and post-RoPE, and the probe queries it gave for this step's fold.
+    """One member layer's newest tokens and the probe queries it gave for this step's fold.
 
-    The layer appends to it and attends over it; its group folds the oldest tokens away (:meth:`drop`).
+    The newest tokens are exact and post-RoPE (``keys, values``); with ``middle_bits`` the older ones, once the
+    budget keeps more than ``recent`` unfolded, wait in integer blocks (``middle``, :mod:`.middle`) before their
+    fold. ``positions`` and ``score`` cover the whole buffer, middle first. The layer appends to it and attends
+    over it; its group moves tokens to the middle (:meth:`settle`) and folds the oldest away (:meth:`drop`).
     """
 
     state_name = "depthweave.RecentBuffer"
 
-    state_fields = ("keys", "values", "positions", "score", "queries", "query_slots", "scaling")
+    state_fields = ("keys", "values", "middle", "positions", "score", "queries", "query_slots", "scaling")
+    state_defaults = {"middle": None}  # caches saved before the middle tier have none
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [B, H, m, D] post-RoPE, exact
-        self.values: torch.Tensor | None = None  # [B, H, m, D]
-        self.positions: torch.Tensor | None = None  # [B, m] int32 RoPE positions
+        self.keys: torch.Tensor | None = None  # [B, H, m_e, D] post-RoPE, exact (the newest)
+        self.values: torch.Tensor | None = None  # [B, H, m_e, D]
+        self.middle: MiddleBlocks | None = None  # the older unfolded tokens, integer blocks
+        self.positions: torch.Tensor | None = None  # [B, m] int32 RoPE positions (middle, then exact)
         self.score: torch.Tensor | None = None  # [B, m] float32 attention received (router signal)
         self.queries: torch.Tensor | None = None  # [B, Hq, p, D] probe queries, held until the group folds
         self.query_slots: torch.Tensor | None = None  # [p] their token indices
         self.scaling = 1.0  # the attention scale of those queries
 
     def count(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+        return self.middle_count() + (0 if self.keys is None else int(self.keys.shape[2]))
+
+    def middle_count(self) -> int:
+        return 0 if self.middle is None else self.middle.count()
 
     def append(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
         """Add new tokens ``[B, H, q, D]`` (storage dtype) with their ``[B, q]`` int32 positions."""
@@ -65,14 +75,58 @@ class RecentBuffer(Stateful):
         self.positions = torch.cat([self.positions, positions], 1)  # type: ignore[list-item]
         self.score = torch.cat([self.score, score], dim=1)  # type: ignore[list-item]
 
+    def row(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``b``'s whole buffer, oldest first: ``keys, values: [H, m, D]`` float32."""
+        keys, values = self.keys[b].float(), self.values[b].float()  # type: ignore[index]
+        if self.middle is None:
+            return keys, values
+        old_keys, old_values = self.middle.dense(b)
+        return torch.cat([old_keys, keys], dim=1), torch.cat([old_values, values], dim=1)
+
+    def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The oldest ``count`` tokens ``[B, H, count, D]`` in the storage dtype (middle ones dequantized)."""
+        keys, values = self.keys[:, :, :count], self.values[:, :, :count]  # type: ignore[index]
+        if self.middle is None:
+            return keys, values
+        old_keys, old_values = self.middle.dense()
+        old_keys, old_values = old_keys[:, :, :count].to(keys.dtype), old_values[:, :, :count].to(keys.dtype)
+        rest = count - old_keys.shape[2]
+        return torch.cat([old_keys, keys[:, :, :rest]], 2), torch.cat([old_values, values[:, :, :rest]], 2)
+
+    def settle(self, recent: int, bits: int) -> None:
+        """Move whole blocks of exact tokens older than the newest ``recent`` into the middle tier."""
+        assert self.keys is not None and self.values is not None
+        blocks = max(int(self.keys.shape[2]) - recent, 0) // MIDDLE_BLOCK
+        if blocks == 0:
+            return
+        cut = blocks * MIDDLE_BLOCK
+        moved = MiddleBlocks.of(self.keys[:, :, :cut], self.values[:, :, :cut], bits)
+        self.middle = moved if self.middle is None else self.middle.append(moved)
+        self.keys, self.values = self.keys[:, :, cut:].clone(), self.values[:, :, cut:].clone()
+
     def keep_queries(self, queries: torch.Tensor, slots: torch.Tensor, scaling: float) -> None:
         """Hold this step's probe queries ``[B, Hq, p, D]`` (token indices ``slots: [p]``) for the fold."""
         self.queries, self.query_slots, self.scaling = queries, slots, scaling
 
     def drop(self, count: int) -> None:
-        """Forget the oldest ``count`` tokens (they now live in the group's row stores) and the probe queries."""
-        self.keys = self.keys[:, :, count:].clone()  # type: ignore[index]
-        self.values = self.values[:, :, count:].clone()  # type: ignore[index]
+        """Forget the oldest ``count`` tokens (they now live in the group's row stores) and the probe queries.
+
+        Middle blocks go whole; the rest of a block cut through returns to the exact tokens as dequantized."""
+        middle = self.middle_count()
+        if middle:
+            assert self.middle is not None
+            whole, part = divmod(min(count, middle), MIDDLE_BLOCK)
+            if part:  # the cut block's later tokens stay, no longer as integers
+                keys, values = self.middle.dense()
+                start, stop = whole * MIDDLE_BLOCK + part, (whole + 1) * MIDDLE_BLOCK
+                dtype = self.keys.dtype  # type: ignore[union-attr]
+                self.keys = torch.cat([keys[:, :, start:stop].to(dtype), self.keys], 2)  # type: ignore[list-item]
+                self.values = torch.cat([values[:, :, start:stop].to(dtype), self.values], 2)  # type: ignore[list-item]
+                whole += 1
+            self.middle = self.middle.drop_blocks(whole)
+        exact = max(count - middle, 0)
+        self.keys = self.keys[:, :, exact:].clone()  # type: ignore[index]
+        self.values = self.values[:, :, exact:].clone()  # type: ignore[index]
         self.positions = self.positions[:, count:].clone()  # type: ignore[index]
         self.score = self.score[:, count:].clone()  # type: ignore[index]
         self.queries = self.query_slots = None
@@ -83,10 +137,13 @@ class RecentBuffer(Stateful):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
+        if self.middle is not None:
+            self.middle = self.middle.select_rows(rows)
 
     def tensors(self) -> list[torch.Tensor]:
         """The tokens' tensors (for byte accounting)."""
-        return [t for t in (self.keys, self.values, self.positions, self.score) if t is not None]
+        tensors = [t for t in (self.keys, self.values, self.positions, self.score) if t is not None]
+        return tensors + (self.middle.tensors() if self.middle is not None else [])
 
     def query_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.queries, self.query_slots) if t is not None]
@@ -112,8 +169,8 @@ class WeaveGroup(Stateful):
         self.rows: list[RowStore | None] = []
         self._bind()
 
-    fold_generation = 0  # folds so far in this process (``recent_target``'s cache key)
-    _window: tuple[int, int] | None = None
+    fold_generation = 0  # folds so far in this process (with the tokens seen, ``recent_target``'s cache key)
+    _window: tuple[tuple[int, int], int] | None = None
 
     def after_load(self) -> None:
         self._bind()
@@ -142,14 +199,16 @@ class WeaveGroup(Stateful):
     def recent_target(self, seen: int) -> int:
         """Exact newest tokens kept while decoding after ``seen`` tokens: ``recent``, or up to ``recent_share`` of
         the byte budget once that is more (a long generation's next-token loss rests on its newest tokens), but
-        never more than the budget has spare beside what the row stores hold. Computed once per fold (the
-        stores change only then), so every member folds the same tokens; derived, not saved."""
+        never more than the budget has spare beside what the row stores hold. Computed once per step from the
+        tokens seen and the stores (which change only at folds), so every member folds the same tokens; derived
+        from saved state only, so a loaded cache folds where the saved one would have."""
         method = self.method
         if method.recent_share <= 0 or method.compression is None or not self.rows:
             return method.recent
-        if self._window is not None and self._window[0] == self.fold_generation:
+        key = (self.fold_generation, seen)
+        if self._window is not None and self._window[0] == key:
             return self._window[1]
-        token_16bit, token_exact = self.token_bytes()
+        token_16bit = self.token_bytes()[0]
         spare = min(
             seen * token_16bit / method.compression
             - sum(held for held, _ in store.part_bytes(self.members).values())
@@ -157,13 +216,13 @@ class WeaveGroup(Stateful):
             if store is not None
         )
         # the buffer refills by ``block`` before a fold: budget for its mean fill, as the folds do
-        window = min(self.wanted_window(seen), int(spare // token_exact) - method.block // 2)
+        window = min(self.wanted_window(seen), self.window_tokens(spare) - method.block // 2)
         tp = getattr(self.cache, "tp", None)
         if (
             tp is not None
         ):  # every rank folds the same tokens (the fold all-reduces over them): the least window
             window = -int(tp.all_reduce(torch.tensor([-window], dtype=torch.int64), "max").item())
-        self._window = (self.fold_generation, max(method.recent, window))
+        self._window = (key, max(method.recent, window))
         return self._window[1]
 
     def wanted_window(self, seen: int) -> int:
@@ -176,9 +235,8 @@ class WeaveGroup(Stateful):
             return 0
         stores = [store for store in self.rows if store is not None]
         prompt = max((int(store.log.get("prompt_seen", 0)) for store in stores), default=0)
-        token_16bit, token_exact = self.token_bytes()
-        budget = method.recent_share * max(seen - prompt, 0) * token_16bit / method.compression
-        return int(budget // token_exact)
+        budget = method.recent_share * max(seen - prompt, 0) * self.token_bytes()[0] / method.compression
+        return self.window_tokens(budget)
 
     def token_bytes(self) -> tuple[int, int]:
         """Bytes of one token over the group: in a 16-bit full cache, and in the recent buffer (its keys and
@@ -187,6 +245,48 @@ class WeaveGroup(Stateful):
         assert buffer.keys is not None
         heads, dim, element = buffer.keys.shape[1], buffer.keys.shape[3], buffer.keys.element_size()
         return len(self.members) * 2 * heads * dim * 2, len(self.members) * (2 * heads * dim * element + 8)
+
+    def middle_bytes(self) -> float:
+        """Bytes of one token over the group in the middle tier (``middle_bits``; with its position and score),
+        or as an exact token when there is none."""
+        bits = self.method.middle_bits
+        if bits == 0:
+            return float(self.token_bytes()[1])
+        keys = self.recent[self.members[-1]].keys
+        assert keys is not None
+        return len(self.members) * (middle_token_bytes(int(keys.shape[1]), int(keys.shape[3]), bits) + 8)
+
+    def exact_head(self) -> int:
+        """Newest tokens of a buffer with a middle tier priced as exact: ``recent``, and half a block on average
+        (tokens move to the middle in whole blocks, so the exact part holds ``recent`` to ``recent + block - 1``)."""
+        return self.method.recent + MIDDLE_BLOCK // 2
+
+    def window_tokens(self, spent: float) -> int:
+        """Newest tokens the recent buffer holds for ``spent`` bytes: the first :meth:`exact_head` exact, the rest
+        at the middle tier's price (:meth:`window_bytes` inverted)."""
+        exact = self.token_bytes()[1]
+        head = self.exact_head() * exact
+        if spent <= head or self.method.middle_bits == 0:
+            return int(spent // exact)
+        return self.exact_head() + int((spent - head) // self.middle_bytes())
+
+    def window_bytes(self, tokens: int) -> float:
+        """Bytes of a recent buffer of ``tokens`` newest tokens (see :meth:`window_tokens`)."""
+        exact = self.token_bytes()[1]
+        if self.method.middle_bits == 0:
+            return tokens * exact
+        head = min(tokens, self.exact_head())
+        return head * exact + (tokens - head) * self.middle_bytes()
+
+    def settle(self, seen: int) -> None:
+        """After a decode step (every member has stored it): with ``middle_bits``, once the budget keeps more than
+        ``recent`` tokens unfolded, each member's exact tokens beyond the newest ``recent`` move to the middle
+        tier in whole blocks. Below that (short answers) the buffer stays as exact as without the tier."""
+        method = self.method
+        if method.middle_bits == 0 or not self.rows or self.recent_target(seen) <= method.recent:
+            return
+        for layer_idx in self.members:
+            self.recent[layer_idx].settle(method.recent, method.middle_bits)
 
     def fold(self, owner: DepthWeaveLayer, count: int, first: int) -> None:
         """Move the oldest ``count`` tokens of every member's buffer into the row stores.
@@ -202,8 +302,8 @@ class WeaveGroup(Stateful):
         start = owner.seen - newest.count()
         slots = torch.arange(start, start + count, device=owner.device)
         positions = newest.positions[:, :count].long()  # type: ignore[index]
-        keys = [buffer.keys[:, :, :count] for buffer in buffers]  # type: ignore[index]
-        values = [buffer.values[:, :, :count] for buffer in buffers]  # type: ignore[index]
+        oldest = [buffer.oldest(count) for buffer in buffers]
+        keys, values = [k for k, _ in oldest], [v for _, v in oldest]
         rotary = self.cache.rotary_for(self.members[0]) if self.method.keys == "pre_rope" else None
         factor_keys = [rotary.unrotate(k.float(), positions) if rotary else k.float() for k in keys]
         scores = [buffer.score[:, :count] for buffer in buffers]  # type: ignore[index]
@@ -226,7 +326,7 @@ class WeaveGroup(Stateful):
         kept_recent = newest.count() - count
         if first > 0:  # and the share of the budget the buffer may grow into (``recent_share``)
             kept_recent = max(kept_recent, self.wanted_window(owner.seen)) + self.method.block // 2
-        recent_bytes = kept_recent * self.token_bytes()[1]
+        recent_bytes = int(self.window_bytes(kept_recent))
         for b in range(rows):
             real = (~padding[b]).nonzero().squeeze(1)
             if real.numel() == 0:

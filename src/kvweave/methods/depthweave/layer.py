@@ -1,4 +1,4 @@
-"""The cache layer: attention over the group's row stores plus this layer's exact recent buffer."""
+"""The cache layer: attention over the group's row stores plus this layer's recent buffer."""
 
 from __future__ import annotations
 
@@ -102,6 +102,8 @@ class DepthWeaveLayer(CompressedLayer):
             recent.keep_queries(query[:, :, -keep:].clone(), slots, scaling)
         if count > 0 and self.layer_idx == group.members[-1]:  # every member has stored this step
             group.fold(self, count, first)
+        if first > 0 and self.layer_idx == group.members[-1]:
+            group.settle(self.seen)
         if first == 0 and self.layer_idx == group.members[-1]:
             self.pin_from_prompt(group)
         return out  # type: ignore[no-any-return]
@@ -154,8 +156,8 @@ class DepthWeaveLayer(CompressedLayer):
             )
             if parts is None:
                 parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
-            keys, values = recent.keys[b], recent.values[b]  # type: ignore[index]
-            parts.append(DensePart(keys.float(), values.float(), recent_slots))
+            keys, values = recent.row(b)
+            parts.append(DensePart(keys, values, recent_slots))
             row_mask = None if mask is None else mask[b : b + 1]
             masses: list[torch.Tensor] | None = [] if pin else None
             out, recent_attention = attend_parts(query[b].float(), parts, row_mask, first, scaling, masses)
@@ -200,8 +202,9 @@ class DepthWeaveLayer(CompressedLayer):
             slots.append(part.slots)
         recent = self.recent
         m = recent.count()
-        keys.append(recent.keys[row].float())  # type: ignore[index]
-        values.append(recent.values[row].float())  # type: ignore[index]
+        recent_keys, recent_values = recent.row(row)
+        keys.append(recent_keys)
+        values.append(recent_values)
         slots.append(torch.arange(self.seen - m, self.seen, device=self.device))
         return torch.cat(keys, dim=1), torch.cat(values, dim=1), torch.cat(slots)
 
