@@ -713,23 +713,39 @@ def test_middle_tier_keeps_more_tokens_unfolded_inside_the_budget(model):
     assert all(3.0 * 0.85 <= r <= 3.0 * 1.2 for r in ratios), ratios
 
 
-def test_middle_tier_changes_nothing_before_the_share_threshold(model):
+def test_middle_tier_changes_nothing_before_the_share_threshold(model, monkeypatch):
     """A short answer (below ``recent x compression / recent_share`` generated tokens) gets the same tokens and
-    bytes with the middle tier as without it: the tier only prices the window the share buys."""
+    bytes with the middle tier as without it, and each fold budgets the same bytes for the buffer: the tier only
+    prices the window the share buys."""
+    from kvweave.methods.depthweave import group as group_module
     from kvweave.registry import METHODS, parse_method
 
-    options = {**METHODS["depthweave"].test_options, "compression": 3.0}
-    outs, held = [], []
+    budgets: list[int] = []
+    add_chunk = group_module.add_chunk
+
+    def recording(store, chunk, probe, rotary, budget):
+        budgets.append(budget.recent_bytes)
+        return add_chunk(store, chunk, probe, rotary, budget)
+
+    monkeypatch.setattr(group_module, "add_chunk", recording)
+
+    # threshold 8 x 8 / 0.5 = 128 generated tokens; two folds of 40 on the way, each budgeting for a buffer of
+    # 8 + 20 tokens (past ``recent`` + half a middle block: priced as exact all the same while the tier is off)
+    options = {**METHODS["depthweave"].test_options, "compression": 8.0, "block": 40}
+    outs, held, folds = [], [], []
     for bits in (0, 4):
+        budgets.clear()
         cache = kvweave.make_cache(parse_method("depthweave", **options, middle_bits=bits), model)
         outs.append(
             model.generate(
-                _ids(96), max_new_tokens=40, min_new_tokens=40, do_sample=False, **{cache_kwarg(model): cache}
+                _ids(96), max_new_tokens=100, min_new_tokens=100, do_sample=False, **{cache_kwarg(model): cache}
             )
         )
         held.append(cache.nbytes())
+        folds.append(list(budgets))
         assert all(g.recent[m].middle is None for g in cache.context.groups.values() for m in g.members)
     assert torch.equal(outs[0], outs[1]) and held[0] == held[1]
+    assert len(folds[0]) > 2 * len(cache.context.groups) and folds[0] == folds[1]  # decode folds included
 
 
 def test_middle_blocks_keep_order_when_a_fold_cuts_through_one():

@@ -278,13 +278,20 @@ class WeaveGroup(Stateful):
         head = min(tokens, self.exact_head())
         return head * exact + (tokens - head) * self.middle_bytes()
 
+    def middle_active(self, seen: int) -> bool:
+        """Whether the buffer holds a middle tier after ``seen`` tokens: ``middle_bits`` and a window past
+        ``recent`` (the window is priced as exact up to :meth:`exact_head`, so it passes ``recent`` at the same
+        step with the tier as without it)."""
+        method = self.method
+        return method.middle_bits > 0 and bool(self.rows) and self.recent_target(seen) > method.recent
+
     def settle(self, seen: int) -> None:
         """After a decode step (every member has stored it): with ``middle_bits``, once the budget keeps more than
         ``recent`` tokens unfolded, each member's exact tokens beyond the newest ``recent`` move to the middle
         tier in whole blocks. Below that (short answers) the buffer stays as exact as without the tier."""
-        method = self.method
-        if method.middle_bits == 0 or not self.rows or self.recent_target(seen) <= method.recent:
+        if not self.middle_active(seen):
             return
+        method = self.method
         for layer_idx in self.members:
             self.recent[layer_idx].settle(method.recent, method.middle_bits)
 
@@ -326,7 +333,10 @@ class WeaveGroup(Stateful):
         kept_recent = newest.count() - count
         if first > 0:  # and the share of the budget the buffer may grow into (``recent_share``)
             kept_recent = max(kept_recent, self.wanted_window(owner.seen)) + self.method.block // 2
-        recent_bytes = int(self.window_bytes(kept_recent))
+        if first > 0 and self.middle_active(owner.seen):
+            recent_bytes = int(self.window_bytes(kept_recent))
+        else:  # an all-exact buffer (its tokens move to the middle only once the window passes ``recent``)
+            recent_bytes = kept_recent * self.token_bytes()[1]
         for b in range(rows):
             real = (~padding[b]).nonzero().squeeze(1)
             if real.numel() == 0:
