@@ -738,7 +738,11 @@ def test_middle_tier_changes_nothing_before_the_share_threshold(model, monkeypat
         cache = kvweave.make_cache(parse_method("depthweave", **options, middle_bits=bits), model)
         outs.append(
             model.generate(
-                _ids(96), max_new_tokens=100, min_new_tokens=100, do_sample=False, **{cache_kwarg(model): cache}
+                _ids(96),
+                max_new_tokens=100,
+                min_new_tokens=100,
+                do_sample=False,
+                **{cache_kwarg(model): cache},
             )
         )
         held.append(cache.nbytes())
