@@ -489,10 +489,11 @@ def test_held_bytes_track_compression_over_a_long_decode(model):
 
 def test_recent_share_grows_the_exact_window_inside_the_budget(model):
     """``recent_share``: while decoding, the exact newest tokens grow to that share of the byte budget (never below
-    ``recent``), and the held bytes still track ``compression`` (the exact rows of later folds pay for them)."""
+    ``recent``), and the held bytes still track ``compression`` (the exact rows of later folds pay for them).
+    All exact here (``middle_bits=0``: the window in exact tokens; the middle tier's own test is below)."""
     from kvweave.registry import METHODS, parse_method
 
-    options = {**METHODS["depthweave"].test_options, "compression": 3.0}
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0, "middle_bits": 0}
     caches = {
         share: kvweave.make_cache(
             parse_method("depthweave", **options, recent_share=share), model, tokenizer=_Vocab({})

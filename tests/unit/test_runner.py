@@ -399,3 +399,39 @@ def test_feed_generated_reports_progress_every_so_many_tokens_and_at_the_end(mon
     runner.feed_generated(model, cache, list(range(3, 13)), 0, lambda done, total: seen.append((done, total)))
     assert seen == [(4, 10), (8, 10), (10, 10)]
     assert cache.get_seq_length() == 10
+
+
+def test_resuming_rows_of_a_long_generation_measured_at_older_defaults_is_refused(
+    stubs: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A default that acts only on long generations (DepthWeave's ``middle_bits``, spec version 5): a folder's
+    long-generation row written before it measured another configuration and is not mixed into a resumed run;
+    the same row at today's spec version resumes."""
+    from kvweave.registry import parse_method
+    from kvweave.report.specs import SPEC_VERSION
+
+    config = small_config(methods=["depthweave"], generated=600)
+    trial = runner.plan(config)[0]
+    options = parse_method("depthweave").options()
+    del options["middle_bits"]  # not an option yet when version 4 rows were written
+    row = {**stub_row(config, trial), "generated": 600, "options": options, "spec_version": 4}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match="method 'depthweave:middle_bits=0', the defaults then"):
+        run_with(StubTrials(), stubs, config, tmp_path)
+    current = {**row, "options": parse_method("depthweave").options(), "spec_version": SPEC_VERSION}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(current) + "\n")
+    run_with(StubTrials(), stubs, config, tmp_path)
+
+
+def test_old_rows_read_with_the_defaults_they_measured() -> None:
+    """Spec version 5 changed a default that acts only on long generations: a version 4 DepthWeave row with
+    generated tokens reads as ``middle_bits=0``; a short-answer row of then is today's default (their tests:
+    the same tokens and bytes below the threshold)."""
+    from kvweave.registry import parse_method
+    from kvweave.report.specs import canonical_spec
+
+    options = parse_method("depthweave").options()
+    del options["middle_bits"]
+    assert canonical_spec("depthweave", options, version=4, generated=True) == "depthweave:middle_bits=0"
+    assert canonical_spec("depthweave", options, version=4) == "depthweave"
+    assert canonical_spec("depthweave", {**options, "protect": 0.0}, version=3) == "depthweave:protect=0.0"

@@ -41,8 +41,8 @@ from kvweave.eval.rows import (  # noqa: F401  (runner.read_rows etc. stay where
 )
 from kvweave.eval.summary import _median, add_speed_ratios, format_table, summarize  # noqa: F401
 from kvweave.prompt import chat_text
-from kvweave.registry import parse_method
-from kvweave.report.specs import SPEC_VERSION
+from kvweave.registry import METHODS, parse_method
+from kvweave.report.specs import SPEC_VERSION, canonical_spec
 
 
 @dataclasses.dataclass
@@ -474,6 +474,17 @@ def sample_mismatch(row: dict[str, Any], trial: Trial, config: EvalConfig) -> li
         for name, value in expected.items()
         if name in row and row[name] != value
     ]
+    name = trial.method.partition(":")[0]
+    if name in METHODS and isinstance(row.get("method"), str) and isinstance(row.get("options"), dict):
+        then = canonical_spec(
+            row["method"],
+            row["options"],
+            version=row.get("spec_version", 1),
+            generated=bool(row.get("generated")),
+        )
+        now = parse_method(trial.method).spec()
+        if then != now:  # a default changed since: the finished row measured another configuration
+            found.append(f"method {then!r}, the defaults then (this command's {trial.method!r}: {now!r})")
     if "depth" in row and abs(float(row["depth"]) - trial.depth) > 1e-3:
         found.append(
             f"depth {row['depth']} (this command: {round(trial.depth, 3)}; --trials changes the depths)"

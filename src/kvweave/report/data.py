@@ -101,7 +101,12 @@ def load_run(path: str | Path) -> Run:
     for row in rows + ppl:  # rows written before an option was renamed or a default changed: today's spec
         if isinstance(row.get("method"), str):
             options = row.get("options") if isinstance(row.get("options"), dict) else None
-            row["method"] = canonical_spec(row["method"], options, version=row.get("spec_version", 1))
+            row["method"] = canonical_spec(
+                row["method"],
+                options,
+                version=row.get("spec_version", 1),
+                generated=bool(row.get("generated")),
+            )
     for row in bench:  # `kvweave bench` rows: version 2 or later (older ones are of the same vocabulary)
         if isinstance(row.get("method"), str):
             row["method"] = canonical_spec(row["method"], version=row.get("spec_version", 2))

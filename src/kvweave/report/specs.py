@@ -29,23 +29,38 @@ LEGACY_DEFAULTS: dict[str, dict[int, dict[str, Any]]] = {
 changed in version N, or options added then with the old behaviour as another value): ``{N: {option: value}}``."""
 
 
-SPEC_VERSION = 4
+LONG_GENERATION_DEFAULTS: dict[str, dict[int, dict[str, Any]]] = {
+    "depthweave": {5: {"middle_bits": 0, "recent_share": 0.5}},
+}
+"""Per method: defaults changed in version N that act only on long generations (their tests check that a short
+answer gets the same tokens and bytes either way): rows written before N with teacher-forced generated tokens
+(``generated``) read with the old value; other rows measured what the default does today."""
+
+
+SPEC_VERSION = 5
 """Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
 current option names or defaults, and :func:`canonical_spec` reads them with :data:`LEGACY_DEFAULTS`.
 Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
 version 3: exact tokens stored at 16 bits on float32 models (every method's ``storage=auto``); version 4:
-DepthWeave keeps retrievable-looking prompt tokens exact (``protect=0.02``)."""
+DepthWeave keeps retrievable-looking prompt tokens exact (``protect=0.02``); version 5: DepthWeave's recent
+buffer holds its unfolded tokens beyond ``recent`` as 4-bit blocks and takes more of the generated tokens'
+budget (``middle_bits=4``, ``recent_share=0.8``; long generations only: :data:`LONG_GENERATION_DEFAULTS`)."""
 
 
 def canonical_spec(
-    spec: str, options: dict[str, Any] | None = None, legacy: bool = False, version: int | None = None
+    spec: str,
+    options: dict[str, Any] | None = None,
+    legacy: bool = False,
+    version: int | None = None,
+    generated: bool = False,
 ) -> str:
     """The spec a stored result row means today.
 
     Renamed options go under their current names (``dkcache:ratio=0.25`` -> ``dkcache:attended=0.25``). With
     ``options`` (the row's recorded option values) the spec is rebuilt from them; for a row written at spec
     ``version`` (``legacy``: version 1, no ``spec_version`` in the row) options the row does not set take the
-    values they had then (:data:`LEGACY_DEFAULTS`), so a changed default never relabels an old figure.
+    values they had then (:data:`LEGACY_DEFAULTS`; with ``generated``, a row of a long generation, also
+    :data:`LONG_GENERATION_DEFAULTS`), so a changed default never relabels an old figure.
     Specs of unknown methods (e.g. kvpress rows) are returned unchanged."""
     import kvweave.methods  # noqa: F401  (registers the built-in methods)
 
@@ -68,10 +83,12 @@ def canonical_spec(
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {cls.renamed_options.get(k, k): v for k, v in (options or {}).items()}
     values.update({k: convert_option(cls, k, v) for k, v in pairs if k in fields})
-    for since, defaults in LEGACY_DEFAULTS.get(name, {}).items():
-        if written_at < since:
-            for key, value in defaults.items():
-                values.setdefault(key, value)
+    tables = [LEGACY_DEFAULTS] + ([LONG_GENERATION_DEFAULTS] if generated else [])
+    for table in tables:
+        for since, defaults in table.get(name, {}).items():
+            if written_at < since:
+                for key, value in defaults.items():
+                    values.setdefault(key, value)
     try:
         return cls(**{k: v for k, v in values.items() if k in fields}).spec()
     except (TypeError, ValueError):
