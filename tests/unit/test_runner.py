@@ -434,4 +434,11 @@ def test_old_rows_read_with_the_defaults_they_measured() -> None:
     del options["middle_bits"]
     assert canonical_spec("depthweave", options, version=4, generated=True) == "depthweave:middle_bits=0"
     assert canonical_spec("depthweave", options, version=4) == "depthweave"
+    recorded = {**options, "recent_share": 0.5}  # the default then, recorded in the row's options
+    assert canonical_spec("depthweave", recorded, version=4) == "depthweave"
+    assert canonical_spec("depthweave", recorded, version=4, generated=True) == (
+        "depthweave:recent_share=0.5,middle_bits=0"
+    )
+    explicit = canonical_spec("depthweave:recent_share=0.0", {**options, "recent_share": 0.0}, version=4)
+    assert explicit == "depthweave:recent_share=0.0"
     assert canonical_spec("depthweave", {**options, "protect": 0.0}, version=3) == "depthweave:protect=0.0"

@@ -63,6 +63,12 @@ class XKV(DepthWeave):
     bits: int = option(16, "bits of the token-side factor (16 in xKV)", tuning=True)
     recent: int = option(0, "newest prompt tokens kept exact (none in xKV)", tuning=True)
     block: int = option(NEVER, "decode tokens folded at a time (never in xKV)", tuning=True)
+    recent_share: float = option(
+        0.5, "DepthWeave's budget for a growing window (no effect: xKV never folds decode tokens)", tuning=True
+    )
+    middle_bits: int = option(
+        0, "DepthWeave's integer middle tier (none in xKV: decode tokens stay exact)", tuning=True
+    )
     decode_tokens: int = option(0, "selective decode (off in xKV: every key rebuilt)", tuning=True)
     pin_tokens: int = option(0, "pinned pages of selective decode (off in xKV)", tuning=True)
     weighting: float = option(

@@ -105,7 +105,7 @@ def load_run(path: str | Path) -> Run:
                 row["method"],
                 options,
                 version=row.get("spec_version", 1),
-                generated=bool(row.get("generated")),
+                generated=bool(row.get("generated") or row.get("stepwise")),
             )
     for row in bench:  # `kvweave bench` rows: version 2 or later (older ones are of the same vocabulary)
         if isinstance(row.get("method"), str):

@@ -33,8 +33,9 @@ LONG_GENERATION_DEFAULTS: dict[str, dict[int, dict[str, Any]]] = {
     "depthweave": {5: {"middle_bits": 0, "recent_share": 0.5}},
 }
 """Per method: defaults changed in version N that act only on long generations (their tests check that a short
-answer gets the same tokens and bytes either way): rows written before N with teacher-forced generated tokens
-(``generated``) read with the old value; other rows measured what the default does today."""
+answer gets the same tokens and bytes either way): rows written before N with decode-time tokens (``generated``
+teacher-forced tokens, or stepwise perplexity) read with the old value; other rows measured what the default does
+today, so a short answer's recorded value of such an option counts only where its spec set it."""
 
 
 SPEC_VERSION = 5
@@ -83,6 +84,12 @@ def canonical_spec(
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {cls.renamed_options.get(k, k): v for k, v in (options or {}).items()}
     values.update({k: convert_option(cls, k, v) for k, v in pairs if k in fields})
+    if not generated:  # a short answer: what acts only on long generations is today's unless the spec set it
+        explicit = {k for k, _ in pairs}
+        for defaults in LONG_GENERATION_DEFAULTS.get(name, {}).values():
+            for key in defaults:
+                if key not in explicit:
+                    values.pop(key, None)
     tables = [LEGACY_DEFAULTS] + ([LONG_GENERATION_DEFAULTS] if generated else [])
     for table in tables:
         for since, defaults in table.get(name, {}).items():
