@@ -33,12 +33,18 @@ EXTRA_SPECS = [
     # the recent window grows within the 6 new tokens (its size is agreed over the ranks)
     "depthweave:recent=1,block=1,group=2,compression=1.5,probe=4,window=8,sinks=2,decode_tokens=8,page=4,"
     "recent_share=0.9",
+    # the window passes recent + half a block and its older tokens move to the 4-bit middle tier (100 new tokens)
+    "depthweave:recent=1,block=4,group=2,compression=2.0,probe=4,window=8,sinks=2,decode_tokens=8,page=4,"
+    "recent_share=0.9,middle_bits=4",
 ]
 NEW_TOKENS = 6
+LONGER = {EXTRA_SPECS[-1]: 100}
+"""Specs whose decisions need more new tokens than :data:`NEW_TOKENS` (by the spec as written above)."""
 # what each layer's stats say a method decided: entries held, DepthWeave's probe-chosen ranks and refreshes,
 # DK-Cache's tiers and retrievals (under tensor parallelism every rank must report the same)
 DECISIONS = (
     "entries",
+    "middle_tokens",
     "budget",
     "rank_k",
     "rank_v",
@@ -88,14 +94,16 @@ def prompt() -> tuple[torch.Tensor, torch.Tensor]:
     return context, torch.cat([context, question], dim=1)
 
 
-def continue_greedy(model: Any, cache: Any, ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+def continue_greedy(
+    model: Any, cache: Any, ids: torch.Tensor, new_tokens: int = NEW_TOKENS
+) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and ``[steps, vocab]`` logits of ``generate`` continuing ``cache`` with ``ids``."""
     with torch.no_grad():
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
@@ -110,7 +118,8 @@ def prefix_pattern(model: Any, spec: str) -> dict[str, Any]:
     cache = kvweave.make_cache(spec, model)
     with torch.no_grad():
         prefill = model(context, **{cache_kwarg(model): cache}).logits[0, -1].float()
-    tokens, logits = continue_greedy(model, cache, full)
+    longer = {parse_method(written).spec(): count for written, count in LONGER.items()}
+    tokens, logits = continue_greedy(model, cache, full, longer.get(spec, NEW_TOKENS))
     stats = cache.stats()
     decisions = [{key: layer[key] for key in DECISIONS if key in layer} for layer in stats["layers"]]
     return {

@@ -64,7 +64,9 @@ class XKV(DepthWeave):
     recent: int = option(0, "newest prompt tokens kept exact (none in xKV)", tuning=True)
     block: int = option(NEVER, "decode tokens folded at a time (never in xKV)", tuning=True)
     recent_share: float = option(
-        0.5, "DepthWeave's budget for a growing window (no effect: xKV never folds decode tokens)", tuning=True
+        0.5,
+        "DepthWeave's budget for a growing window (no effect: xKV never folds decode tokens)",
+        tuning=True,
     )
     middle_bits: int = option(
         0, "DepthWeave's integer middle tier (none in xKV: decode tokens stay exact)", tuning=True

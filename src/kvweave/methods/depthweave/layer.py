@@ -257,6 +257,7 @@ class DepthWeaveLayer(CompressedLayer):
         stats = {
             "entries": self.entries(),
             "recent": self.recent_count(),
+            "middle_tokens": self.recent.middle_count(),  # of ``recent``: in the 4-bit middle tier
             "group": group.index,
             "group_layers": list(group.members),
             "group_owner": self.layer_idx == group.members[-1],
