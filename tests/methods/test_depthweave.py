@@ -807,3 +807,35 @@ def test_a_cache_saved_while_its_window_grows_continues_the_same(model, tmp_path
     assert old.middle is None
     with pytest.raises(ValueError, match="expects"):
         old.set_state({**state, "stray": 1})
+
+
+def test_middle_tier_follows_row_reorders_and_multi_token_steps(model):
+    """With integer blocks in the buffer: a beam reorder moves each row's blocks with its exact tokens, and a
+    multi-token step (a question fed after a long answer) folds through the blocks and keeps every position in
+    line with its token."""
+    from kvweave.registry import METHODS, parse_method
+
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0}
+    cache = kvweave.make_cache(parse_method("depthweave", **options), model, tokenizer=_Vocab({}))
+    torch.manual_seed(3)
+    ids = torch.randint(3, 150, (2, 420))
+    with torch.no_grad():
+        model(ids[:, :96], **{cache_kwarg(model): cache})
+        for t in range(96, 350):
+            model(ids[:, t : t + 1], **{cache_kwarg(model): cache})
+        buffer = cache.context.groups[0].recent[0]
+        assert buffer.middle is not None
+        before = [buffer.row(b) for b in (0, 1)]
+        cache.reorder_cache(torch.tensor([1, 0]))
+        after = [buffer.row(b) for b in (0, 1)]
+        for b in (0, 1):
+            assert all(torch.equal(x, y) for x, y in zip(after[b], before[1 - b], strict=True))
+        model(ids[:, 350:420], **{cache_kwarg(model): cache})  # 70 tokens at once
+        seen = cache.layers[0].seen
+        for group in cache.context.groups.values():
+            for layer in group.members:
+                held = group.recent[layer]
+                assert held.positions.shape[1] == held.score.shape[1] == held.count()
+                assert held.positions[0].tolist() == list(range(seen - held.count(), seen))
+        logits = model(ids[:, :1], **{cache_kwarg(model): cache}).logits
+    assert torch.isfinite(logits).all()
