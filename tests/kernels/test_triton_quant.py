@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # @triton.jit reads this when the kernel modu
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvweave.kernels import triton_quant  # noqa: E402
-from kvweave.methods.quant import Blocks, dequantize_blocks, quantize_blocks  # noqa: E402
 from kvweave.ops.attention import OnlineSoftmax, merge_parts  # noqa: E402
+from kvweave.ops.kivi import Blocks, dequantize_blocks, quantize_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not triton_quant.available(), reason=f"Triton kernels cannot run: {triton_quant.unavailable_reason()}"

@@ -779,6 +779,85 @@ def test_middle_blocks_keep_order_when_a_fold_cuts_through_one():
     assert blocks.select_rows(torch.tensor([1])).dense()[0].shape == (1, 3, 32, 64)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_middle_part_attends_from_the_codes_as_over_the_dequantized_tier(bits, backend):
+    """The middle tier's attention part reads the codes (scales folded into the query, values decoded in the
+    kernel or its torch reference) and gives the logits and outputs of attention over the dequantized tier."""
+    from kvweave.kernels import cpu_quant
+    from kvweave.methods.depthweave.middle import MiddleBlocks, MiddlePart
+    from kvweave.methods.depthweave.parts import DensePart
+
+    if backend == "cpp" and cpu_quant.load() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_quant.unavailable_reason()}")
+    torch.manual_seed(bits)
+    keys, values = torch.randn(2, 3, 96, 64) * 2, torch.randn(2, 3, 96, 64)
+    middle = MiddleBlocks.of(keys, values, bits)
+    slots = torch.arange(96)
+    part = MiddlePart(middle, 1, slots, backend)
+    reference = DensePart(*middle.dense(1), slots)
+    query = torch.randn(3, 5, 64)
+    logits = part.logits(query)
+    assert logits.shape == (3, 5, 96)
+    assert torch.allclose(logits, reference.logits(query), atol=1e-4, rtol=1e-4)
+    probs = (logits * 0.125).softmax(-1)
+    assert torch.allclose(part.output(probs), reference.output(probs), atol=1e-5, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(part.dense(), reference.dense(), strict=True))
+    error = (reference.keys - keys[1]).norm() / keys[1].norm()
+    assert error < {2: 0.4, 4: 0.1, 8: 0.01}[bits]  # codes, not the exact keys
+
+
+def test_middle_blocks_saved_in_the_first_layout_load_as_the_same_tokens():
+    """A cache saved before the middle tier took ``quant``'s block layout (keys packed along channels, no
+    ``layout`` field) loads with the same codes, rearranged: its tokens dequantize to the same values."""
+    from kvweave.methods.depthweave.middle import LAYOUT, MiddleBlocks
+    from kvweave.ops.quantize import pack_codes, quantize
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64)
+    new = MiddleBlocks.of(keys, values, 4)
+    k = keys.view(1, 2, 2, 32, 64)
+    key_codes, key_scale, key_min = quantize(k, 3, 4)
+    value_codes, value_scale, value_min = quantize(values.view(1, 2, 2, 32, 2, 32), 5, 4)
+    first = {  # the fields and shapes the first layout saved
+        "bits": 4,
+        "key_codes": pack_codes(key_codes, 4),
+        "key_scale": key_scale,
+        "key_min": key_min,
+        "value_codes": pack_codes(value_codes, 4),
+        "value_scale": value_scale,
+        "value_min": value_min,
+    }
+    old = MiddleBlocks.__new__(MiddleBlocks)
+    old.set_state(first)
+    assert old.layout == LAYOUT
+    assert all(torch.equal(a, b) for a, b in zip(old.tensors(), new.tensors(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(old.dense(), new.dense(), strict=True))
+
+
+def test_middle_tier_attention_runs_the_kernel_and_matches_its_reference(model):
+    """Generation with integer blocks in the buffer: ``kernel=auto`` attends over them in the C++ kernel on the
+    CPU (recorded in the layer statistics), ``kernel=torch`` in the reference, with the same tokens."""
+    from kvweave.kernels import cpu_quant
+    from kvweave.registry import METHODS, parse_method
+
+    if cpu_quant.load() is None:
+        pytest.skip(f"C++ kernel unavailable: {cpu_quant.unavailable_reason()}")
+    options = {**METHODS["depthweave"].test_options, "compression": 3.0}
+    ids = _ids(96, seed=2)
+    runs = {}
+    for kernel in ("auto", "torch"):
+        cache = kvweave.make_cache(parse_method("depthweave", **options, kernel=kernel), model)
+        out = model.generate(
+            ids, max_new_tokens=200, min_new_tokens=200, do_sample=False, **{cache_kwarg(model): cache}
+        )
+        stats = cache.layers[0].layer_stats()
+        assert stats["middle_tokens"] > 0
+        runs[kernel] = (out, stats["middle_kernel"])
+    assert runs["auto"][1] == "cpp" and runs["torch"][1] == "torch"
+    assert torch.equal(runs["auto"][0], runs["torch"][0])
+
+
 @pytest.mark.parametrize("middle_bits", [0, 4])
 def test_a_cache_saved_while_its_window_grows_continues_the_same(model, tmp_path, middle_bits):
     """Saved mid-generation while ``recent_share`` grows the window (with integer blocks in the buffer, or

@@ -9,13 +9,13 @@ import kvweave
 from conftest import tiny_model
 from kvweave._compat import cache_kwarg
 from kvweave.kernels import cpu_quant
-from kvweave.methods.quant import (
+from kvweave.ops.attention import OnlineSoftmax
+from kvweave.ops.kivi import (
     block_logits,
     dequantize_blocks,
     dequantize_values,
     quantize_blocks,
 )
-from kvweave.ops.attention import OnlineSoftmax
 from kvweave.ops.quantize import pack_codes_split, unpack_codes_split
 
 needs_kernel = pytest.mark.skipif(

@@ -519,6 +519,7 @@ def _rows(
                 "dtype": config.dtype,
                 "steps": config.steps,
                 "rounds": config.rounds,
+                "warmup": config.warmup,  # untimed decode steps first: the cache then holds context + warmup tokens
                 "ms_per_token": round(1000 * step, 3),
                 "tok_s": round(batch / step, 3),
                 "round_ms": [round(1000 * r, 3) for r in trial.rounds],

@@ -69,7 +69,7 @@ def block_logits(
     bits: int,
     scaling: float,
 ) -> torch.Tensor:
-    """``scaling * q·k`` over quantized key blocks (shapes as :class:`kvweave.methods.quant.Blocks`;
+    """``scaling * q·k`` over quantized key blocks (shapes as :class:`kvweave.ops.kivi.Blocks`;
     ``query: [B, H, R, D]``) -> ``[B, H, R, n*G]`` float32."""
     b, h, n, _, _ = key_codes.shape
     return _module().quant_logits(

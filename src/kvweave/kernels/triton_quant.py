@@ -3,7 +3,7 @@
 :func:`quant_attention` computes, for every batch row ``b`` and KV head ``h``, softmax attention of the packed
 query rows ``query[b, h]: [R, D]`` (``R`` = query heads of the KV head's group x new queries, packed as
 :meth:`kvweave.methods.quant.QuantLayer.chunked_attention` packs them) over the ``T = n*G`` tokens of ``n``
-quantized blocks of ``G`` tokens, stored exactly as :class:`kvweave.methods.quant.Blocks` holds them:
+quantized blocks of ``G`` tokens, stored exactly as :class:`kvweave.ops.kivi.Blocks` holds them:
 
 - ``key_codes: [B, H, n, D, G*bits/8]`` uint8, channel-major, packed along the block's tokens in split order
   (:func:`kvweave.ops.quantize.pack_codes_split`: byte ``i`` of a channel holds tokens ``i, i + G/P, ..`` at
@@ -28,7 +28,7 @@ query dtype for the tensor cores (float32 accumulation).
 
 Reference: :func:`quant_attention_reference` (unpack + dequantize in torch, then
 :func:`kvweave.kernels.triton_common.attention_with_lse`), the same arithmetic as
-:func:`kvweave.methods.quant.dequantize_blocks`. Tests: ``tests/kernels/test_triton_quant.py`` (under
+:func:`kvweave.ops.kivi.dequantize_blocks`. Tests: ``tests/kernels/test_triton_quant.py`` (under
 ``TRITON_INTERPRET=1`` without a GPU), including through ``make_cache`` + ``model.generate``. Called by
 :class:`kvweave.methods.quant.QuantLayer` (``kernel=triton``, the default on CUDA), imported lazily when chosen
 (:mod:`kvweave.kernels.registry`).

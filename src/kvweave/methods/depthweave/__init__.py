@@ -40,8 +40,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   because a long generation's next-token loss rests on its newest tokens (the 20,000-step soak: +7–17 % over
   ``full`` with ``recent`` alone, +2–6 % with a share of 0.5, same bytes). Beyond the newest ``recent`` those
   tokens wait as KIVI integer blocks of 32 (``middle_bits=4``, :mod:`.middle`: keys per channel, values per
-  token) instead of exact, so the share holds ~3x as many (2 bits: ~5x, measured worse; 0: all exact, the
-  previous default). Soak, steps 1,000–2,500 at ~8x: +0.8 to +6.1 % over ``full`` against +2.3 to +8.4 % with
+  token, ``quant``'s block layout, attended from the codes by its C++ kernel) instead of exact, so the share
+  holds ~3x as many (2 bits: ~5x, measured worse; 0: all exact, the previous default). Soak, steps 1,000–2,500 at ~8x: +0.8 to +6.1 % over ``full`` against +2.3 to +8.4 % with
   exact tokens and a share of 0.5. The window is priced as exact up to ``recent`` plus half a block, so nothing
   changes before ``recent x compression / recent_share`` tokens have been generated (320 at the defaults): short
   answers fold as before.

@@ -17,8 +17,9 @@ import torch
 from kvweave.cache import tensors_nbytes
 from kvweave.methods.depthweave.chunk import Chunk
 from kvweave.methods.depthweave.factorize import add_chunk
-from kvweave.methods.depthweave.middle import MIDDLE_BLOCK, MiddleBlocks
+from kvweave.methods.depthweave.middle import MIDDLE_BLOCK, MiddleBlocks, MiddlePart
 from kvweave.methods.depthweave.middle import token_bytes as middle_token_bytes
+from kvweave.methods.depthweave.parts import DensePart
 from kvweave.methods.depthweave.probes import Probe
 from kvweave.methods.depthweave.ranks import Budget
 from kvweave.methods.depthweave.router import content_scores, retrievable_scores
@@ -82,6 +83,15 @@ class RecentBuffer(Stateful):
             return keys, values
         old_keys, old_values = self.middle.dense(b)
         return torch.cat([old_keys, keys], dim=1), torch.cat([old_values, values], dim=1)
+
+    def parts(self, b: int, slots: torch.Tensor, backend: str) -> list[MiddlePart | DensePart]:
+        """Row ``b``'s buffer as attention parts over token indices ``slots: [m]``: the middle tier read from its
+        codes (``backend``, :func:`~kvweave.methods.depthweave.middle.middle_backend`), then the exact tokens."""
+        keys, values = self.keys[b].float(), self.values[b].float()  # type: ignore[index]
+        if self.middle is None:
+            return [DensePart(keys, values, slots)]
+        middle = self.middle_count()
+        return [MiddlePart(self.middle, b, slots[:middle], backend), DensePart(keys, values, slots[middle:])]
 
     def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The oldest ``count`` tokens ``[B, H, count, D]`` in the storage dtype (middle ones dequantized)."""

@@ -8,7 +8,8 @@ import torch
 
 from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
-from kvweave.methods.depthweave.parts import DensePart, attend_parts
+from kvweave.methods.depthweave.middle import middle_backend
+from kvweave.methods.depthweave.parts import attend_parts
 from kvweave.methods.depthweave.router import pooled_attention, window_attention
 from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
 from kvweave.ops.masking import prompt_padding
@@ -38,6 +39,9 @@ class DepthWeaveLayer(CompressedLayer):
         # ``[B, H, n]`` attention of the prompt's last queries during a prefill: pins the pages once the group's
         # stores exist, then dropped (:meth:`pin_from_prompt`; never held between forward passes)
         self.prompt_mass: torch.Tensor | None = None
+        self.middle_kernel: str | None = (
+            None  # what attended over the middle tier last (``cpp`` or ``torch``)
+        )
 
     @property
     def recent(self) -> RecentBuffer:
@@ -140,6 +144,9 @@ class DepthWeaveLayer(CompressedLayer):
             table.ensure(self.seen + 1, query.device)
         outs = []
         heads = self.recent.keys.shape[1]  # type: ignore[union-attr]
+        backend = "torch"
+        if recent.middle is not None:
+            backend = self.middle_kernel = middle_backend(self.method.kernel, query.device)
         for b in range(query.shape[0]):
             store = stores[b] if b < len(stores) else None
             parts = None
@@ -156,11 +163,13 @@ class DepthWeaveLayer(CompressedLayer):
             )
             if parts is None:
                 parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
-            keys, values = recent.row(b)
-            parts.append(DensePart(keys, values, recent_slots))
+            buffer = recent.parts(b, recent_slots, backend)
+            parts.extend(buffer)
             row_mask = None if mask is None else mask[b : b + 1]
             masses: list[torch.Tensor] | None = [] if pin else None
-            out, recent_attention = attend_parts(query[b].float(), parts, row_mask, first, scaling, masses)
+            out, recent_attention = attend_parts(
+                query[b].float(), parts, row_mask, first, scaling, masses, recent_parts=len(buffer)
+            )
             if masses:  # a multi-token step over everything: pin the pages it attended most
                 assert store is not None
                 self.pins[b] = pin_pages(store, masses[0])
@@ -258,6 +267,7 @@ class DepthWeaveLayer(CompressedLayer):
             "entries": self.entries(),
             "recent": self.recent_count(),
             "middle_tokens": self.recent.middle_count(),  # of ``recent``: in the 4-bit middle tier
+            "middle_kernel": self.middle_kernel,
             "group": group.index,
             "group_layers": list(group.members),
             "group_owner": self.layer_idx == group.members[-1],

@@ -78,8 +78,10 @@ def attend_parts(
     first: int,
     scaling: float,
     masses: list[torch.Tensor] | None = None,
+    recent_parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row's attention over ``parts`` (the last one is the recent buffer).
+    """One row's attention over ``parts`` (the last ``recent_parts`` hold the recent buffer, the exact tokens
+    last).
 
     ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
     of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
@@ -112,6 +114,6 @@ def attend_parts(
         if masses is not None:
             masses.append(probs[..., start : start + n].sum(1))
         start += n
-    m = parts[-1].slots.shape[-1]
+    m = sum(p.slots.shape[-1] for p in parts[len(parts) - recent_parts :])
     recent = probs[..., start - m :].sum(0).view(g, q_len, m).sum(0).amax(0)
     return out.view(hq, q_len, d).transpose(0, 1), recent
