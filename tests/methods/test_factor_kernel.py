@@ -57,3 +57,36 @@ def test_kernel_cpp_refuses_coordinates_it_cannot_read():
         pytest.skip("no C++ kernel here")
     with pytest.raises(RuntimeError, match="kernel=cpp"):
         _generate(model, ids, bits=16, kernel="cpp")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [48, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_at_real_head_sizes_equals_the_rebuild_in_torch(dim, bits):
+    """At the head sizes real models use (64, 128: the register-resident rebuild; 48: the general loop) and odd
+    coordinate widths, the kernel's logits and weighted value coordinates equal the torch rebuild: gather the
+    rows, dequantize, project on ``R``, rotate, score."""
+    from kvweave.ops.quantize import pack
+
+    torch.manual_seed(dim + bits)
+    heads, queries, n, width, used, chosen = 2, 7, 300, 37, 33, 70
+    packed = pack(torch.randn(n, width), bits, 64, torch.float32)
+    r_k = torch.randn(used, heads, dim)
+    rows = torch.randint(0, n, (heads, chosen))
+    positions = torch.randperm(400)[:n].to(torch.int32)
+    angles = torch.arange(400).float().unsqueeze(1) * torch.rand(dim // 2).repeat(2)
+    cos, sin = angles.cos(), angles.sin()
+    query = torch.randn(heads, queries, dim)
+    coords = packed.dequantize()  # [n, width]
+    keys = torch.einsum("htw,whd->htd", coords[rows][..., :used], r_k)  # [H, T, D]
+    c, s = cos[positions[rows].long()], sin[positions[rows].long()]
+    half = dim // 2
+    rotated = keys * c + torch.cat([-keys[..., half:], keys[..., :half]], -1) * s
+    expected = query @ rotated.transpose(-1, -2)  # [H, G, T]
+    got = cpu_factor.factor_logits(query, packed, r_k, rows, positions, cos, sin)
+    assert torch.allclose(got, expected, atol=1e-3, rtol=1e-4)
+    unrotated = cpu_factor.factor_logits(query, packed, r_k, rows, None, None, None)
+    assert torch.allclose(unrotated, query @ keys.transpose(-1, -2), atol=1e-3, rtol=1e-4)
+    probs = torch.rand(heads, queries, chosen)
+    weighted = cpu_factor.factor_weighted(probs, packed, rows)
+    assert torch.allclose(weighted, probs @ coords[rows], atol=1e-4, rtol=1e-4)

@@ -18,7 +18,7 @@ import torch
 
 from kvweave.kernels._build import build, source
 
-_NAME = "kvweave_cpu_factor_v3"
+_NAME = "kvweave_cpu_factor_v4"
 
 _SOURCE = source("cpu_factor.cpp")
 
