@@ -57,6 +57,39 @@ static inline void coords_of(const uint8_t* block, int64_t off, const WeaveShape
   }
 }
 
+// key[0:DD] = mean[0:DD] + sum_j coords[j] * R[j * stride + 0:DD]: the accumulators stay in registers (a fixed
+// width the compiler unrolls: 64 floats = 8 AVX2 registers), as in kernels/cpu_factor.cpp.
+template <int DD>
+static inline void rebuild_span(const float* coords, const float* R, const float* mean, int64_t w, int64_t stride,
+                                float* key) {
+  float acc[DD];
+  for (int d = 0; d < DD; ++d) acc[d] = mean[d];
+  for (int64_t j = 0; j < w; ++j) {
+    const float cj = coords[j];
+    const float* rj = R + j * stride;
+#pragma GCC unroll 64
+    for (int d = 0; d < DD; ++d) acc[d] += cj * rj[d];
+  }
+  for (int d = 0; d < DD; ++d) key[d] = acc[d];
+}
+
+// key[0:D] = mean[0:D] + coords[0:w] @ R[0:w] (rows `stride` floats apart): spans of 64 channels in registers
+// where the head size allows, the general loop elsewhere.
+static inline void rebuild_key(const float* coords, const float* R, const float* mean, int64_t w, int64_t stride,
+                               int64_t D, float* key) {
+  if (D % 64 == 0) {
+    for (int64_t at = 0; at < D; at += 64) rebuild_span<64>(coords, R + at, mean + at, w, stride, key + at);
+    return;
+  }
+  for (int64_t d = 0; d < D; ++d) key[d] = mean[d];
+  for (int64_t j = 0; j < w; ++j) {
+    const float cj = coords[j];
+    const float* rj = R + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) key[d] += cj * rj[d];
+  }
+}
+
 template <int BITS>
 static void attend_row_head(int64_t h, const WeaveShape& s, const float* q, const uint8_t* pages,
                             const int64_t* ids, int64_t cached, int64_t recent_first, const float* kb,
@@ -111,13 +144,7 @@ static void attend_row_head(int64_t h, const WeaveShape& s, const float* q, cons
         kind[t] = 1;
       } else {
         coords_of<BITS>(block, t, s, RK, 0, s.code_end, ck.data());
-        for (int64_t d = 0; d < D; ++d) pre[d] = kmean[h * D + d];
-        for (int64_t j = 0; j < RK; ++j) {
-          const float c = ck[j];
-          const float* row = kb + j * H * D + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) pre[d] += c * row[d];
-        }
+        rebuild_key(ck.data(), kb + h * D, kmean + h * D, RK, H * D, D, pre.data());
         const float* cs = cos + pos * D;
         const float* sn = sin + pos * D;
         for (int64_t d = 0; d < half; ++d) key[d] = pre[d] * cs[d] - pre[d + half] * sn[d];

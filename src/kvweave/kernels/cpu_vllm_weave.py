@@ -24,7 +24,7 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.rope import apply_rotary
 
-_NAME = "kvweave_cpu_vllm_weave_v3"
+_NAME = "kvweave_cpu_vllm_weave_v4"
 _SOURCE = source("cpu_vllm_weave.cpp")
 _CPP_DECL = (
     "torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "

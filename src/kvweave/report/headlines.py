@@ -288,6 +288,7 @@ HEADLINES: dict[str, Headline] = {
         for prefix, rows_file in (
             ("vllm-stepw", "decode-step-weave"),
             ("vllm-stepw2", "decode-step-weave-v2"),
+            ("vllm-stepw3", "decode-step-weave-v3"),  # the key rebuild in registers (sixteenth session)
         )
         for short, method, path in (
             ("none", "none", "vllm"),
