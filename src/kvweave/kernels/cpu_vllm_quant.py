@@ -45,6 +45,7 @@ _CPP_DECL = (
 _FUNCTIONS = ["vllm_quant_decode_rows", "vllm_quant_write_values", "vllm_quant_write_step"]
 
 _reason: str | None = None
+_EMPTY = torch.empty(0)  # the kernel's "no tensor" (never written)
 
 
 @functools.lru_cache(maxsize=1)
@@ -94,7 +95,7 @@ def decode_rows(
         block_size = pages.shape[2]
         work = sum((n + block_size - 1) // block_size for n in lengths) * queries.shape[1]
         item_blocks = max(1, -(-work // (8 * torch.get_num_threads())))
-    none = torch.empty(0)
+    none = _EMPTY
     out, lse = module.vllm_quant_decode_rows(
         queries.float().contiguous(),
         none if new is None else new[0].float().contiguous(),
