@@ -39,9 +39,8 @@ class DepthWeaveLayer(CompressedLayer):
         # ``[B, H, n]`` attention of the prompt's last queries during a prefill: pins the pages once the group's
         # stores exist, then dropped (:meth:`pin_from_prompt`; never held between forward passes)
         self.prompt_mass: torch.Tensor | None = None
-        self.middle_kernel: str | None = (
-            None  # what attended over the middle tier last (``cpp`` or ``torch``)
-        )
+        # what attended over the middle tier at the last decode step with one (``cpp`` or ``torch``)
+        self.middle_kernel: str | None = None
 
     @property
     def recent(self) -> RecentBuffer:
