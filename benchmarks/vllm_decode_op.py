@@ -169,7 +169,7 @@ def measure(methods: list[str], tokens: int, rows: int, args: argparse.Namespace
     query = torch.randn(
         rows, args.kv_heads * args.group, args.head_size, generator=torch.Generator().manual_seed(1)
     )
-    pairs = [(m, p) for m in methods for p in PATHS[m.split(":")[0]]]
+    pairs = [(m, p) for m in methods for p in PATHS[m.split(":")[0]] if not args.paths or p in args.paths]
     outs, times = {}, {pair: [] for pair in pairs}
     for method, path in pairs:  # warm-up, and the outputs compared
         layers[method].choose(path)
@@ -186,7 +186,7 @@ def measure(methods: list[str], tokens: int, rows: int, args: argparse.Namespace
     result = []
     for method, path in pairs:
         ms = medians[method, path]
-        reference = outs[method, PATHS[method.split(":")[0]][-1]]
+        reference = outs[method, [p for m, p in pairs if m == method][-1]]  # the method's last path timed
         vllm_ms = next((medians[pair] for pair in pairs if pair[1] == "vllm"), None)
         result.append(
             {
@@ -248,8 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=7, help="query heads per KV head")
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--rope-theta", type=float, default=1_000_000.0)
+    parser.add_argument(
+        "--paths",
+        default="",
+        help="comma-separated paths to time (default every path of each method), e.g. vllm,fused",
+    )
     parser.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     args = parser.parse_args(argv)
+    args.paths = [p for p in args.paths.split(",") if p]
+    known = {p for paths in PATHS.values() for p in paths}
+    if unknown := [p for p in args.paths if p not in known]:
+        parser.error(f"--paths: {', '.join(unknown)} unknown; choose among {', '.join(sorted(known))}")
     lengths = _ints(parser, "--tokens", args.tokens, 2)
     row_counts = _ints(parser, "--rows", args.rows, 1)
     methods = _split(args.methods)  # "name:k=v,k=v" stays one spec

@@ -88,6 +88,43 @@ def test_decode_rows_matches_the_torch_reference(bits: int, group: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_rows_reads_only_the_chosen_blocks_as_the_reference_masks_them(bits: int) -> None:
+    """Selective decode: each row and KV head reads the blocks it chose (padding -1, a head choosing fewer,
+    repeated and out-of-range indices ignored), and gives the reference's attention over those blocks' tokens; a
+    choice of every block gives the unselected call's output."""
+    layout = WeaveSlot.of(
+        VllmMethod("depthweave", bits=bits, rank_k=32, rank_v=48, exact=2, decode_tokens=16),
+        DIM,
+        HEADS,
+        BLOCK,
+    )
+    generator = torch.Generator().manual_seed(bits)
+    pages = _pages(layout, 16, generator)
+    table = torch.randperm(16, generator=generator)[:12].view(2, 6).int()
+    rows = [_row(layout, 90, 80, 4, generator), _row(layout, 96, 96, 2, generator)]
+    chosen = torch.tensor(
+        [
+            [[0, 2, 5, -1], [0, 1, 3, 5]],  # row 0: head 0 chose three blocks, head 1 four
+            [[0, 4, 5, -1], [5, 0, -1, 9]],  # row 1: head 1 out of order, padded, one index past its blocks
+        ]
+    )
+    queries = torch.randn(2, HEADS, 7, DIM, generator=generator)
+    new = torch.randn(2, HEADS, DIM, generator=generator), torch.randn(2, HEADS, DIM, generator=generator)
+    cos, sin = rope_cos_sin(1.0 / (10_000 ** (torch.arange(0, DIM, 2).float() / DIM)), torch.arange(96))
+    args = (queries, new, pages, table, rows, cos, sin, layout, DIM**-0.5)
+    want = cpu_vllm_weave.decode_rows_reference(*args, chosen=chosen)
+    got = cpu_vllm_weave.decode_rows(*args, chosen=chosen)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    everything = torch.arange(6).expand(2, HEADS, 6).contiguous()
+    torch.testing.assert_close(
+        cpu_vllm_weave.decode_rows(*args, chosen=everything), cpu_vllm_weave.decode_rows(*args)
+    )
+    assert not torch.allclose(
+        got, cpu_vllm_weave.decode_rows(*args), atol=1e-3
+    )  # the choice changed something
+
+
 def test_decode_rows_refuses_rows_without_their_newest_exact_rows() -> None:
     layout = WeaveSlot.of(VllmMethod("depthweave"), DIM, HEADS, BLOCK)
     generator = torch.Generator().manual_seed(0)

@@ -321,6 +321,89 @@ def test_depthweave_decode_weights_value_coordinates_as_attention_over_the_rebui
         torch.testing.assert_close(old_v.transpose(0, 1)[needles[0]], values[needles[0]].half().float())
 
 
+def test_depthweave_selective_decode_reads_the_blocks_its_bounds_choose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``decode_tokens``: every full block's tails bound its keys as a decode step reads them; a decode row
+    reads the sinks' block, the newest full and partial blocks and the ``decode_tokens / block_size`` blocks of
+    largest bound (here the needle's), and each decode path (factored torch, fused kernel, rebuilding reference)
+    gives attention over exactly those blocks' tokens; with a budget of every block, the unselected output."""
+    from kvweave.kernels import cpu_vllm_weave
+    from kvweave.vllm.backend import KvweaveMetadata
+
+    torch.manual_seed(11)
+    length, block = 150, 16
+    keys = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64) * 0.3
+    values = (torch.randn(length, 16) @ torch.randn(16, 128)).view(length, 2, 64)
+    needle = 16 * 5 + 7  # block 5: far from the sinks' block and the newest ones
+    direction = torch.randn(2, 64)
+    keys[needle] += 4 * direction
+    chunks = [64] + [1] * (length - 1 - 64)
+    spec = "depthweave:rank_k=16,rank_v=16,exact=1,decode_tokens=32"
+    impl, pages, table, rotated = _weave_run(spec, monkeypatch, keys, values, chunks)
+    layout, cached = impl.layout, length - 1
+    held, full = -(-cached // block), cached // block
+    ids = table[:held].long()
+    old_k, old_v = impl._stored(pages, layout, ids, cached, length)  # [H, cached, D] as decode reads them
+    low, high = layout.read_bounds(pages[ids[:full]])  # [full, H, D]
+    for b in range(1, full):  # block 0 holds the sinks (read every step, its bounds not laid over them)
+        k = old_k[:, b * block : (b + 1) * block]
+        assert bool((k >= low[b].unsqueeze(1)).all() and (k <= high[b].unsqueeze(1)).all()), f"block {b}"
+    cos, sin = rope_cos_sin(impl.inv_freq, torch.tensor([cached]))
+    q_dir = (
+        direction * cos + torch.cat([-direction[:, 32:], direction[:, :32]], -1) * sin
+    )  # rotated like keys
+    query = (q_dir.repeat_interleave(2, 0) + 0.1 * torch.randn(4, 64)).unsqueeze(0)  # [1, Hq, D]
+    k_new, v_new = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    chosen = impl._weave_choose(query[0].view(2, 2, 64), pages, layout, ids, cached)
+    assert chosen is not None and chosen.shape == (2, 5)  # block 0, 2 chosen, newest full (8), partial (9)
+    for head in range(2):
+        assert {0, 5, 8, 9} <= set(chosen[head].tolist()), chosen
+    query = torch.randn(1, 4, 64) * 2  # a query no block stands out for: what is left out matters
+    chosen = impl._weave_choose(query[0].view(2, 2, 64), pages, layout, ids, cached)
+    assert chosen is not None
+    picked = torch.zeros(2, held, dtype=torch.bool).scatter_(1, chosen, True)
+    visible = torch.cat([picked[:, torch.arange(cached) // block], torch.ones(2, 1, dtype=torch.bool)], 1)
+    mask = visible.repeat_interleave(2, 0).view(1, 4, 1, length)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        torch.cat([old_k, k_new.transpose(0, 1)], 1).unsqueeze(0),
+        torch.cat([old_v, v_new.transpose(0, 1)], 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=0.125,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    unselected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        torch.cat([old_k, k_new.transpose(0, 1)], 1),
+        torch.cat([old_v, v_new.transpose(0, 1)], 1),
+        scale=0.125,
+        enable_gqa=True,
+    ).transpose(0, 1)
+    assert not torch.allclose(expected, unselected, atol=1e-3)  # the choice leaves out weight that mattered
+    factored = impl._weave_decode(query, k_new, v_new, pages, layout, table, cached)
+    torch.testing.assert_close(factored, expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+    impl.weave_factored = False  # the rebuilding reference path (KVWEAVE_VLLM_KERNEL=torch)
+    rebuilt = impl._attend(query, k_new, v_new, pages, layout, table, length)
+    torch.testing.assert_close(rebuilt.reshape(1, 4, 64), expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+    impl.weave_factored = True
+    meta = KvweaveMetadata(
+        num_actual_tokens=1,
+        query_start=[0, 1],
+        seq_lens=[length],
+        block_table=table.view(1, -1),
+        slot_mapping=torch.tensor([0]),
+    )
+    if cpu_vllm_weave.load() is not None:
+        fused = torch.empty(1, 4, 64)
+        impl._fused_weave_decode(query, k_new, v_new, pages, layout, meta, [0], fused)
+        torch.testing.assert_close(fused, expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+    object.__setattr__(impl.method, "decode_tokens", block * held)  # a budget of every block: nothing chosen
+    assert impl._weave_choose(query[0].view(2, 2, 64), pages, layout, ids, cached) is None
+    every = impl._weave_decode(query, k_new, v_new, pages, layout, table, cached)
+    torch.testing.assert_close(every, unselected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+
+
 def test_bad_method_specs_fail_with_one_line() -> None:
     for spec, word in (
         ("quant:bits=3", "bits"),

@@ -20,10 +20,12 @@
 // value basis per query head closes the row. What overrides the stored form, by precedence: the newest partial
 // block (recent_k / recent_v [H, BS, D] from recent_first on), the sinks (sink_k / sink_v [S, H, D], the first S
 // tokens), the block's exact rows. One item per (row, KV head), an online softmax over its blocks, then the row's
-// new token (exact) merged.
+// new token (exact) merged. With `chosen` ([R, H, K] int64, -1 padding; empty: every block) an item reads only the
+// blocks its row and head chose (indices into the row's table; selective decode): the tokens of the others get
+// no weight this step.
 //
 // q: [R, H, G, D] f32; k_new, v_new: [R, H, D] f32; pages: [NB, H, BS, SLOT] uint8; table: [R, W] block ids
-// (int32 or int64); cached, recent_first: one int per row; per row: kb [rank_k, H*D], kmean [H*D], vb [rank_v,
+// (int32 or int64); chosen: [R, H, K] int64 or empty; cached, recent_first: one int per row; per row: kb [rank_k, H*D], kmean [H*D], vb [rank_v,
 // H*D], vmean [H*D], sink_k, sink_v [S, H, D], recent_k, recent_v [H, BS, D] or empty, all f32 contiguous.
 // Returns out [R, H, G, D] f32.
 
@@ -92,7 +94,8 @@ static inline void rebuild_key(const float* coords, const float* R, const float*
 
 template <int BITS>
 static void attend_row_head(int64_t h, const WeaveShape& s, const float* q, const uint8_t* pages,
-                            const int64_t* ids, int64_t cached, int64_t recent_first, const float* kb,
+                            const int64_t* ids, const int64_t* chosen, int64_t n_chosen, int64_t cached,
+                            int64_t recent_first, const float* kb,
                             const float* kmean, const float* vb, const float* vmean, const float* sink_k,
                             const float* sink_v, int64_t sinks, const float* recent_k, const float* recent_v,
                             const float* cos, const float* sin, const float* k_new, const float* v_new, float* out) {
@@ -105,7 +108,10 @@ static void attend_row_head(int64_t h, const WeaveShape& s, const float* q, cons
   std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), pc(G, 0.f);
   std::vector<float> acc_c(G * RV, 0.f), acc_x(G * D, 0.f);
   const int64_t held = (cached + BS - 1) / BS;
-  for (int64_t bi = 0; bi < held; ++bi) {
+  const int64_t steps = chosen ? n_chosen : held;
+  for (int64_t at_block = 0; at_block < steps; ++at_block) {
+    const int64_t bi = chosen ? chosen[at_block] : at_block;
+    if (bi < 0 || bi >= held) continue;  // padding of a head that chose fewer
     const uint8_t* block = pages + ids[bi] * H * BS * s.SLOT;
     const uint8_t* block_h = block + h * BS * s.SLOT;
     const int64_t t0 = bi * BS, T = std::min(BS, cached - t0);
@@ -220,7 +226,7 @@ static const float* f32_or_null(const torch::Tensor& t, const char* what) {
 }
 
 torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor pages,
-                                     torch::Tensor table, const std::vector<int64_t>& cached,
+                                     torch::Tensor table, torch::Tensor chosen, const std::vector<int64_t>& cached,
                                      const std::vector<int64_t>& recent_first, const std::vector<torch::Tensor>& kb,
                                      const std::vector<torch::Tensor>& kmean, const std::vector<torch::Tensor>& vb,
                                      const std::vector<torch::Tensor>& vmean,
@@ -266,6 +272,13 @@ torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch
   const float* vn = v_new.data_ptr<float>();
   const uint8_t* pp = pages.data_ptr<uint8_t>();
   const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t K = chosen.numel() ? chosen.size(2) : 0;
+  if (K) {
+    TORCH_CHECK(chosen.scalar_type() == at::kLong && chosen.is_contiguous() && chosen.dim() == 3 &&
+                    chosen.size(0) == R && chosen.size(1) == s.H,
+                "vllm_weave_decode_rows: chosen must be contiguous int64 [rows, KV heads, K]");
+  }
+  const int64_t* chp = K ? chosen.data_ptr<int64_t>() : nullptr;
   const float* cp = f32_or_null(cos, "cos");
   const float* sp = f32_or_null(sin, "sin");
   float* op = out.data_ptr<float>();
@@ -285,7 +298,8 @@ torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch
       const float* const* p = ptrs.data() + r * 8;
       const int64_t sinks = std::min(sinks_held[r], cached[r]);
       auto attend = s.bits == 8 ? attend_row_head<8> : s.bits == 4 ? attend_row_head<4> : attend_row_head<2>;
-      attend(h, s, qp + rh * s.G * s.D, pp, tp + r * s.W, cached[r], std::min(recent_first[r], cached[r]),
+      attend(h, s, qp + rh * s.G * s.D, pp, tp + r * s.W, chp ? chp + rh * K : nullptr, K, cached[r],
+                      std::min(recent_first[r], cached[r]),
                       p[0], p[1], p[2], p[3], p[4], p[5], sinks, p[6], p[7], cp, sp, kn + rh * s.D, vn + rh * s.D,
                       op + rh * s.G * s.D);
     }

@@ -24,11 +24,11 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.rope import apply_rotary
 
-_NAME = "kvweave_cpu_vllm_weave_v4"
+_NAME = "kvweave_cpu_vllm_weave_v5"
 _SOURCE = source("cpu_vllm_weave.cpp")
 _CPP_DECL = (
     "torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
-    "torch::Tensor pages, torch::Tensor table, const std::vector<int64_t>& cached, "
+    "torch::Tensor pages, torch::Tensor table, torch::Tensor chosen, const std::vector<int64_t>& cached, "
     "const std::vector<int64_t>& recent_first, const std::vector<torch::Tensor>& kb, "
     "const std::vector<torch::Tensor>& kmean, const std::vector<torch::Tensor>& vb, "
     "const std::vector<torch::Tensor>& vmean, const std::vector<torch::Tensor>& sink_k, "
@@ -83,11 +83,13 @@ def decode_rows(
     sin: torch.Tensor,
     layout: Any,
     scaling: float,
+    chosen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row ``r``'s ``queries[r]: [H, G, D]`` (its query heads, packed per KV head) over its ``rows[r].cached``
     stored tokens in blocks ``table[r]`` of ``pages: [NB, H, block_size, slot]`` uint8 (``layout``: the
     ``WeaveSlot``) and its new token ``new = (keys, values)`` (``[R, H, D]``, exact). ``cos, sin: [T, D]``
-    cover every stored position. Returns ``[R, H, G, D]`` float32."""
+    cover every stored position. ``chosen: [R, H, K]`` (indices into each row's table, -1 padding): read only
+    those blocks per row and KV head (selective decode); ``None``: every block. Returns ``[R, H, G, D]`` float32."""
     module = load()
     assert module is not None, unavailable_reason()
     return module.vllm_weave_decode_rows(
@@ -96,6 +98,7 @@ def decode_rows(
         new[1].float().contiguous(),
         pages.contiguous(),
         table,
+        torch.empty(0, dtype=torch.long) if chosen is None else chosen.long().contiguous(),
         [row.cached for row in rows],
         [row.recent_first for row in rows],
         [row.kb for row in rows],
@@ -129,9 +132,11 @@ def decode_rows_reference(
     sin: torch.Tensor,
     layout: Any,
     scaling: float,
+    chosen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`decode_rows` in torch, one row at a time: every stored key and value rebuilt, the exact rows, the
-    sinks and the newest partial block laid over them (in that order), then attention with the new token."""
+    sinks and the newest partial block laid over them (in that order), then attention with the new token (with
+    ``chosen``, over the chosen blocks' tokens of each KV head only)."""
     outs = []
     heads, dim = queries.shape[1], queries.shape[-1]
     block_size = pages.shape[2]
@@ -159,5 +164,12 @@ def decode_rows_reference(
         keys = torch.cat([keys, new[0][r].float().unsqueeze(0)])  # [n + 1, H, D]
         values = torch.cat([values, new[1][r].float().unsqueeze(0)])
         logits = torch.einsum("hgd,thd->hgt", queries[r].float(), keys) * scaling
+        if chosen is not None and held:
+            picked = chosen[r].long()  # [H, K]
+            seen = torch.zeros(heads, held + 1, dtype=torch.bool)  # the last column: padding
+            seen.scatter_(1, torch.where(picked < 0, held, picked.clamp(max=held)), True)
+            visible = seen[:, (torch.arange(n + 1) // block_size).clamp(max=held - 1)]  # [H, n + 1]
+            visible[:, n] = True  # the new token
+            logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         outs.append(torch.einsum("hgt,thd->hgd", logits.softmax(-1), values))
     return torch.stack(outs)

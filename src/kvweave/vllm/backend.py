@@ -453,6 +453,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         and its new tokens (exact)."""
         n = q.shape[0]
         cached = seq_len - n
+        selected: torch.Tensor | None = None  # [1, Hq, 1, seq_len]: a decode row's selective-decode mask
         if n == 1 and cached > 0 and isinstance(layout, WeaveSlot) and self._weave_factored():
             return self._weave_decode(q, k_new, v_new, pages, layout, table, cached)
         keys, values = k_new.transpose(0, 1).float(), v_new.transpose(0, 1).float()  # [H, n, D]
@@ -463,7 +464,18 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             keys = torch.cat([old_keys.float(), keys], dim=1)
             values = torch.cat([old_values.float(), values], dim=1)
             if n == 1:
-                _add_stats(blocks_read=held * self.num_kv_heads, blocks_held=held * self.num_kv_heads)
+                read = held * self.num_kv_heads
+                if isinstance(layout, WeaveSlot) and layout.bounds:  # selective decode, on the rebuilt tokens
+                    heads = self.num_kv_heads
+                    queries_h = q[0].float().view(heads, self.group_size, -1)
+                    chosen = self._weave_choose(queries_h, pages, layout, table[:held].long(), cached)
+                    if chosen is not None:
+                        picked = torch.zeros(heads, held, dtype=torch.bool).scatter_(1, chosen, True)
+                        visible = torch.ones(heads, seq_len, dtype=torch.bool)
+                        visible[:, :cached] = picked[:, torch.arange(cached) // block_size]
+                        selected = visible.repeat_interleave(self.group_size, 0).view(1, -1, 1, seq_len)
+                        read = chosen.numel()
+                _add_stats(blocks_read=read, blocks_held=held * self.num_kv_heads)
         # 4-D operands ([1, heads, tokens, D]): with 3-D ones torch's CPU SDPA takes its math path, which builds
         # the whole [Hq, n, T] weights (the load rows of docs/data/vllm/load-2k-before/ ran that path)
         queries = q.transpose(0, 1).float().unsqueeze(0)  # [1, Hq, n, D]
@@ -478,6 +490,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         for first in range(0, n, QUERY_CHUNK):
             rows = torch.arange(first, min(n, first + QUERY_CHUNK), device=q.device) + cached
             mask = positions[None, :] <= rows[:, None]  # [rows, seq_len]: bottom-right causal
+            if selected is not None:
+                mask = mask & selected
             pieces.append(
                 F.scaled_dot_product_attention(
                     queries[:, :, first : first + QUERY_CHUNK],
@@ -601,11 +615,17 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         starts = [meta.query_start[r] for r in rows]
         at = torch.tensor(starts)
         table = meta.block_table[torch.tensor(rows)]
-        reads, held_total = [], 0
+        queries = query[at].view(len(rows), heads, self.group_size, -1)
+        reads, held_total, read_total, choices = [], 0, 0, []
         for i, r in enumerate(rows):
             cached = meta.seq_lens[r] - 1
             held = -(-cached // block_size)
             held_total += held
+            chosen = None
+            if layout.bounds and held:
+                chosen = self._weave_choose(queries[i].float(), pages, layout, table[i, :held].long(), cached)
+            choices.append(torch.arange(held).expand(heads, held) if chosen is None else chosen)
+            read_total += choices[-1].shape[1]
             owner, last = table[i, [0, held - 1]].tolist()
             entry = self.bases.get(owner)
             kb, kmean, vb, vmean, sink_k, sink_v = entry.kernel_view()
@@ -621,13 +641,18 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 )
             )
         cos, sin = self._rope(0, max(read.cached for read in reads))
-        queries = query[at].view(len(rows), heads, self.group_size, -1)
+        selected = None
+        if layout.bounds:  # every row's blocks per KV head, padded with -1 to the longest choice
+            width = max(choice.shape[1] for choice in choices)
+            selected = torch.stack(
+                [F.pad(choice, (0, width - choice.shape[1]), value=-1) for choice in choices]
+            )
         out = cpu_vllm_weave.decode_rows(
-            queries, (key[at], value[at]), pages, table, reads, cos, sin, layout, self.scale
+            queries, (key[at], value[at]), pages, table, reads, cos, sin, layout, self.scale, selected
         )
         output[at] = out.reshape(len(rows), self.num_heads, -1).to(output.dtype)
         _add_stats(
-            blocks_read=held_total * heads,
+            blocks_read=read_total * heads,
             blocks_held=held_total * heads,
             weave_decode_rows=len(rows),
             fused_decode_rows=len(rows),
@@ -760,6 +785,12 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 coords,
                 (entry.k.decode, entry.v.decode),
             )
+            if layout.bounds:
+                filled = (slots % pages.shape[2] == pages.shape[2] - 1).nonzero().squeeze(1)
+                positions = (first + filled - (pages.shape[2] - 1)).tolist()
+                self._weave_bounds(
+                    pages, layout, (slots[filled] // pages.shape[2]).tolist(), positions, entry
+                )
         if decode:
             self._weave_store_decode(key, value, pages, layout, meta, decode)
         if changed:
@@ -799,6 +830,66 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         coords = (_encode_rows(k_bases, k_pre), _encode_rows(v_bases, v_flat))
         decoders = (lambda c: _decode_rows(k_bases, c), lambda c: _decode_rows(v_bases, c))
         self._weave_write(pages, layout, slots, (k_pre, v_flat), (k_exact, v_exact), coords, decoders)
+        if layout.bounds:
+            block_size = pages.shape[2]
+            for i, (slot, position) in enumerate(zip(slots.tolist(), positions, strict=True)):
+                if slot % block_size == block_size - 1:  # this token filled its block
+                    self._weave_bounds(
+                        pages, layout, [slot // block_size], [position - block_size + 1], entries[i]
+                    )
+
+    def _weave_bounds(
+        self, pages: torch.Tensor, layout: WeaveSlot, blocks: list[int], firsts: list[int], entry: WeaveEntry
+    ) -> None:
+        """Write the key bounds of full ``blocks`` (their first tokens at positions ``firsts``; stored on
+        ``entry``'s basis) into their tails: the per-channel minimum and maximum over each KV head of the keys
+        as a decode step reads them (rebuilt from the coordinates, rotated, the exact rows laid over). The sinks
+        are not laid over: the blocks that hold them are read every step whatever their bounds."""
+        if not blocks:
+            return
+        block_size, heads = pages.shape[2], self.num_kv_heads
+        ids = torch.tensor(blocks)
+        stored = pages[ids]  # [nb, H, block_size, C]
+        ck, _ = layout.unpack(stored)  # [nb, block_size, rank_k]
+        keys = entry.k.decode(ck.flatten(0, 1)).view(len(blocks), block_size, heads, -1)
+        cos, sin = self._rope(0, max(firsts) + block_size)
+        where = torch.tensor(firsts).view(-1, 1) + torch.arange(block_size)  # [nb, block_size]
+        keys = apply_rotary(
+            keys.transpose(1, 2), cos[where].unsqueeze(1), sin[where].unsqueeze(1)
+        )  # [nb, H, T, D]
+        if layout.exact:
+            offsets, _, exact_keys, _ = layout.read_exact(layout.tails(stored))  # [nb, H, E(, D)]
+            valid = offsets >= 0
+            block = torch.arange(len(blocks)).view(-1, 1, 1).expand_as(offsets)
+            head = torch.arange(heads).view(1, -1, 1).expand_as(offsets)
+            keys[block[valid], head[valid], offsets[valid]] = exact_keys[valid].float()
+        pages[ids, :, :, layout.scale_end :] = layout.write_bounds(stored, keys.amin(2), keys.amax(2))
+
+    def _weave_choose(
+        self, queries: torch.Tensor, pages: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
+    ) -> torch.Tensor | None:
+        """Selective decode (``decode_tokens``): the blocks (indices into ``ids``, the request's ``held``
+        blocks) that decode row ``queries: [H, g, D]`` reads per KV head, ``[H, K]`` sorted: the blocks holding
+        the sinks, the newest full block, the newest partial one, and the ``decode_tokens / block_size`` other
+        full blocks whose key bounds give the largest upper bound of ``q·k`` over the head's query group
+        (Quest's bound). ``None`` when the request has no more blocks than that: every block is read."""
+        block_size, held = pages.shape[2], ids.shape[0]
+        full = cached // block_size  # blocks with bounds; a partial newest block is read exact
+        fixed = [*range(min(-(-self.method.sinks // block_size) or 1, full)), *range(max(full - 1, 0), held)]
+        fixed = sorted(set(fixed))
+        candidates = torch.tensor([b for b in range(full) if b not in fixed], dtype=torch.long)
+        budget = max(1, self.method.decode_tokens // block_size)
+        if candidates.numel() <= budget:
+            return None
+        low, high = layout.read_bounds(pages[ids[candidates]])  # [F, H, D]
+        bound = (
+            queries.clamp(min=0) @ high.permute(1, 2, 0) + queries.clamp(max=0) @ low.permute(1, 2, 0)
+        ).amax(1)  # [H, F]
+        top = candidates[bound.topk(budget, dim=-1).indices]  # [H, budget]
+        heads = queries.shape[0]
+        chosen = torch.cat([torch.tensor(fixed, dtype=torch.long).expand(heads, -1), top], dim=1)
+        _add_stats(summary_blocks_read=candidates.numel() * heads)
+        return chosen.sort(dim=1).values
 
     def _weave_write(
         self,
@@ -914,6 +1005,11 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         read = self._weave_read(pages[ids], layout, ids, cached)
         queries = q[0].float().view(heads, self.group_size, -1)  # [H, g, D]
         scores = torch.einsum("hgd,thd->hgt", queries, read.keys) * self.scale  # [H, g, cached]
+        chosen = self._weave_choose(queries, pages, layout, ids, cached) if layout.bounds and held else None
+        if chosen is not None:  # selective decode: the tokens of the blocks not chosen get no weight
+            picked = torch.zeros(heads, held, dtype=torch.bool).scatter_(1, chosen, True)
+            visible = picked[:, torch.arange(cached) // block_size]  # [H, cached]
+            scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
         new = (queries * k_new[0].float().unsqueeze(1)).sum(-1, keepdim=True) * self.scale  # [H, g, 1]
         weights = torch.softmax(torch.cat([scores, new], dim=-1), dim=-1)
         stored, newest = weights[..., :cached], weights[..., cached:]
@@ -932,7 +1028,8 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         for first, end, values in read.spans:
             out += torch.einsum("hgt,thd->hgd", stored[..., first:end], values)
         out += newest * v_new[0].float().unsqueeze(1)
-        _add_stats(blocks_read=held * heads, blocks_held=held * heads, weave_decode_rows=1)
+        read_blocks = held * heads if chosen is None else chosen.numel()
+        _add_stats(blocks_read=read_blocks, blocks_held=held * heads, weave_decode_rows=1)
         return out.reshape(1, self.num_heads, -1)
 
 

@@ -17,7 +17,10 @@ Torch only (no vLLM import), so the layouts are tested against kvweave's own qua
   coordinates of the ``H·D``-wide row are split over the token's ``H`` slots. Each block keeps up to ``exact``
   tokens per KV head exact (the ones the basis represents worst), in float16, in its slots' tails. The basis,
   the column scales and the request's first ``sinks`` tokens (exact) live beside the pages
-  (:class:`~kvweave.vllm.backend.WeaveBases`); nothing refits, so a full block never changes.
+  (:class:`~kvweave.vllm.backend.WeaveBases`); nothing refits, so a full block never changes. With
+  ``decode_tokens`` (selective decode) the tails also hold, per KV head, the float16 per-channel minimum and
+  maximum of the block's keys as a decode step rebuilds them (rotated, exact rows laid over), written when the
+  block fills: a decode row scores those bounds and reads only the blocks that could score highest.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class VllmMethod:
     """A kvweave method for vLLM: ``quant`` (``bits``; ``key_group``: tokens per per-channel key scale;
     ``group``: channels per value scale, 0 = the whole head), ``pages`` (``sink_blocks``, ``core_blocks``,
     ``top_blocks``) or ``depthweave`` (``bits`` 8 or 4; ``rank_k``, ``rank_v``: coordinates per token over all
-    KV heads; ``exact``: exact tokens per block and KV head; ``sinks``: the request's first tokens kept exact)."""
+    KV heads; ``exact``: exact tokens per block and KV head; ``sinks``: the request's first tokens kept exact;
+    ``decode_tokens``: stored tokens a decode row reads per KV head beside its first and newest blocks, in whole
+    blocks chosen by their key bounds, 0 = every block)."""
 
     name: str
     bits: int = 4
@@ -54,6 +59,7 @@ class VllmMethod:
     rank_v: int = 48
     exact: int = 2
     sinks: int = 4
+    decode_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.name == "dkcache":
@@ -78,7 +84,7 @@ class VllmMethod:
                 raise ValueError(
                     f"{ENV_METHOD}: depthweave option {option}={getattr(self, option)} must be >= 1"
                 )
-        for option in ("exact", "sinks"):
+        for option in ("exact", "sinks", "decode_tokens"):
             if getattr(self, option) < 0:
                 raise ValueError(
                     f"{ENV_METHOD}: depthweave option {option}={getattr(self, option)} must be >= 0"
@@ -108,7 +114,7 @@ class VllmMethod:
         if self.name == "depthweave":
             return (
                 f"depthweave:bits={self.bits},rank_k={self.rank_k},rank_v={self.rank_v},exact={self.exact},"
-                f"sinks={self.sinks}"
+                f"sinks={self.sinks}" + (f",decode_tokens={self.decode_tokens}" if self.decode_tokens else "")
             )
         return f"pages:sink_blocks={self.sink_blocks},core_blocks={self.core_blocks},top_blocks={self.top_blocks}"
 
@@ -321,7 +327,8 @@ class WeaveSlot:
       symmetric integers offset by ``2^(bits-1)``, packed by :func:`~kvweave.ops.quantize.pack_codes`; one
       float16 scale per side;
     - the tails of a block's slots, read together per KV head, hold its ``exact`` exact rows:
-      ``offsets int16 [E] | errors float16 [E] | keys float16 [E, D] | values float16 [E, D]`` (offset -1: empty).
+      ``offsets int16 [E] | errors float16 [E] | keys float16 [E, D] | values float16 [E, D]`` (offset -1: empty),
+      then with ``bounds`` the block's key bounds ``minimum float16 [D] | maximum float16 [D]``.
     """
 
     head_size: int
@@ -331,6 +338,7 @@ class WeaveSlot:
     bits: int
     exact: int
     block_size: int
+    bounds: bool = False
 
     @classmethod
     def of(cls, method: VllmMethod, head_size: int, heads: int, block_size: int) -> WeaveSlot:
@@ -346,7 +354,16 @@ class WeaveSlot:
             raise ValueError(
                 f"{ENV_METHOD}: depthweave option exact={method.exact} must be below the block size {block_size}"
             )
-        return cls(head_size, heads, method.rank_k, method.rank_v, method.bits, method.exact, block_size)
+        return cls(
+            head_size,
+            heads,
+            method.rank_k,
+            method.rank_v,
+            method.bits,
+            method.exact,
+            block_size,
+            method.decode_tokens > 0,
+        )
 
     @property
     def k_share(self) -> int:
@@ -378,8 +395,14 @@ class WeaveSlot:
         return self.exact * (_EXACT_META + 4 * self.head_size)
 
     @property
+    def bounds_bytes(self) -> int:
+        """Per block and KV head: the key bounds (float16 minimum and maximum per channel), with ``bounds``."""
+        return 4 * self.head_size if self.bounds else 0
+
+    @property
     def tail_bytes(self) -> int:
-        return _aligned(self.scale_end + math.ceil(self.exact_bytes / self.block_size)) - self.scale_end
+        used = self.exact_bytes + self.bounds_bytes
+        return _aligned(self.scale_end + math.ceil(used / self.block_size)) - self.scale_end
 
     @property
     def nbytes(self) -> int:
@@ -416,6 +439,27 @@ class WeaveSlot:
     def tails(self, blocks: torch.Tensor) -> torch.Tensor:
         """Blocks ``[nb, H, block_size, nbytes]`` -> their exact-row bytes ``[nb, H, exact_bytes]`` (a copy)."""
         return blocks[..., self.scale_end :].flatten(-2)[..., : self.exact_bytes].contiguous()
+
+    def read_bounds(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks ``[nb, H, block_size, nbytes]`` -> their keys' ``minimum, maximum: [nb, H, D]`` float32."""
+        assert self.bounds, "this layout holds no key bounds (decode_tokens=0)"
+        at = self.exact_bytes
+        data = blocks[..., self.scale_end :].flatten(-2)[..., at : at + self.bounds_bytes].contiguous()
+        bounds = data.view(torch.float16).float().unflatten(-1, (2, self.head_size))
+        return bounds[..., 0, :], bounds[..., 1, :]
+
+    def write_bounds(self, blocks: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """``blocks: [nb, H, block_size, nbytes]`` with ``low, high: [nb, H, D]`` written as their key bounds
+        (rounded outward to float16, so they still bound the keys): the blocks' new tail bytes
+        ``[nb, H, block_size, tail_bytes]`` (the exact rows kept)."""
+        assert self.bounds, "this layout holds no key bounds (decode_tokens=0)"
+        tails = blocks[..., self.scale_end :].flatten(-2).clone()
+        down, up = low.half(), high.half()
+        down = torch.where(down.float() > low, torch.nextafter(down, torch.full_like(down, -torch.inf)), down)
+        up = torch.where(up.float() < high, torch.nextafter(up, torch.full_like(up, torch.inf)), up)
+        data = torch.stack([down, up], dim=-2).flatten(-2).contiguous().view(torch.uint8)
+        tails[..., self.exact_bytes : self.exact_bytes + self.bounds_bytes] = data
+        return tails.unflatten(-1, (self.block_size, self.tail_bytes))
 
     def read_exact(
         self, tails: torch.Tensor
