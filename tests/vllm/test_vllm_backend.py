@@ -345,7 +345,9 @@ def test_depthweave_selective_decode_reads_the_blocks_its_bounds_choose(
     held, full = -(-cached // block), cached // block
     ids = table[:held].long()
     old_k, old_v = impl._stored(pages, layout, ids, cached, length)  # [H, cached, D] as decode reads them
-    low, high = layout.read_bounds(pages[ids[:full]])  # [full, H, D]
+    low, high = layout.read_bounds(
+        pages[ids[:full], :, layout.bounds_slots, layout.scale_end :]
+    )  # [full, H, D]
     for b in range(1, full):  # block 0 holds the sinks (read every step, its bounds not laid over them)
         k = old_k[:, b * block : (b + 1) * block]
         assert bool((k >= low[b].unsqueeze(1)).all() and (k <= high[b].unsqueeze(1)).all()), f"block {b}"

@@ -83,7 +83,8 @@ STATS: dict[str, int] = {
     "weave_side_bytes": 0,
 }
 """Per process, summed over layers, decode rows and KV heads: blocks of K/V read by decode attention,
-blocks the requests held, and blocks whose summary was read (``pages``); for ``depthweave`` the bases held and
+blocks the requests held, and blocks whose summary was read (``pages``, and ``depthweave``'s key bounds with
+``decode_tokens``); for ``depthweave`` the bases held and
 their bytes beside vLLM's pages (``weave_bases``, ``weave_side_bytes``, summed over layers), decode rows that
 ran a fused C++ kernel (``fused_decode_rows``: quant's or depthweave's) and depthweave decode rows that weighted
 value coordinates (``weave_decode_rows``: fused or in torch). ``KVWEAVE_VLLM_STATS=path``
@@ -881,7 +882,7 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         budget = max(1, self.method.decode_tokens // block_size)
         if candidates.numel() <= budget:
             return None
-        low, high = layout.read_bounds(pages[ids[candidates]])  # [F, H, D]
+        low, high = layout.read_bounds(pages[ids[candidates], :, layout.bounds_slots, layout.scale_end :])
         bound = (
             queries.clamp(min=0) @ high.permute(1, 2, 0) + queries.clamp(max=0) @ low.permute(1, 2, 0)
         ).amax(1)  # [H, F]

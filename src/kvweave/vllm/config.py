@@ -440,11 +440,18 @@ class WeaveSlot:
         """Blocks ``[nb, H, block_size, nbytes]`` -> their exact-row bytes ``[nb, H, exact_bytes]`` (a copy)."""
         return blocks[..., self.scale_end :].flatten(-2)[..., : self.exact_bytes].contiguous()
 
-    def read_bounds(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks ``[nb, H, block_size, nbytes]`` -> their keys' ``minimum, maximum: [nb, H, D]`` float32."""
+    @property
+    def bounds_slots(self) -> slice:
+        """The slots of a block whose tails hold its key bounds (a decode step reads only these)."""
+        first = self.exact_bytes // self.tail_bytes
+        return slice(first, -(-(self.exact_bytes + self.bounds_bytes) // self.tail_bytes))
+
+    def read_bounds(self, tails: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tails of the bounds' slots, ``blocks[:, :, layout.bounds_slots, layout.scale_end:]`` (``[nb, H,
+        slots, tail_bytes]``) -> the blocks' key ``minimum, maximum: [nb, H, D]`` float32."""
         assert self.bounds, "this layout holds no key bounds (decode_tokens=0)"
-        at = self.exact_bytes
-        data = blocks[..., self.scale_end :].flatten(-2)[..., at : at + self.bounds_bytes].contiguous()
+        at = self.exact_bytes - self.bounds_slots.start * self.tail_bytes
+        data = tails.flatten(-2)[..., at : at + self.bounds_bytes].contiguous()
         bounds = data.view(torch.float16).float().unflatten(-1, (2, self.head_size))
         return bounds[..., 0, :], bounds[..., 1, :]
 

@@ -185,8 +185,9 @@ class DepthWeave(Method):
     vllm: ClassVar[str] = (
         "served by the vLLM plugin in its per-layer form only, KVWEAVE_VLLM_METHOD=depthweave (a basis per "
         "request and layer fitted once to the first prefill chunk, fixed ranks, INT4 coordinates in vLLM's "
-        "blocks, the worst-represented tokens exact; no cross-layer bases, probes, protect, refits or selective "
-        "decode: vLLM's blocks are per layer and immutable once full; docs/vllm.md)"
+        "blocks, the worst-represented tokens exact; selective decode over whole 128-token blocks with "
+        "decode_tokens=N, off by default there; no cross-layer bases, probes, protect or refits: vLLM's blocks "
+        "are per layer and immutable once full; docs/vllm.md)"
     )
 
     group: int = option(8, "adjacent full-attention layers sharing one token-side base (1, 2, 4 or 8)")
