@@ -400,6 +400,22 @@ def test_depthweave_selective_decode_reads_the_blocks_its_bounds_choose(
         fused = torch.empty(1, 4, 64)
         impl._fused_weave_decode(query, k_new, v_new, pages, layout, meta, [0], fused)
         torch.testing.assert_close(fused, expected.reshape(1, 4, 64), rtol=1e-4, atol=1e-5)
+        # rows of different lengths chosen together (one scoring of their bounds) as each alone
+        shorter = 16 * 7 + 3
+        two = KvweaveMetadata(
+            num_actual_tokens=2,
+            query_start=[0, 1, 2],
+            seq_lens=[length, shorter],
+            block_table=torch.stack([table, table]),
+            slot_mapping=torch.tensor([0, 0]),
+        )
+        queries2 = torch.cat([query, torch.randn(1, 4, 64) * 2])
+        new2 = torch.cat([k_new, torch.randn(1, 2, 64)]), torch.cat([v_new, torch.randn(1, 2, 64)])
+        together = torch.empty(2, 4, 64)
+        impl._fused_weave_decode(queries2, *new2, pages, layout, two, [0, 1], together)
+        torch.testing.assert_close(together[:1], fused, rtol=1e-5, atol=1e-6)
+        alone = impl._weave_decode(queries2[1:], new2[0][1:], new2[1][1:], pages, layout, table, shorter - 1)
+        torch.testing.assert_close(together[1:], alone, rtol=1e-4, atol=1e-5)
     object.__setattr__(impl.method, "decode_tokens", block * held)  # a budget of every block: nothing chosen
     assert impl._weave_choose(query[0].view(2, 2, 64), pages, layout, ids, cached) is None
     every = impl._weave_decode(query, k_new, v_new, pages, layout, table, cached)

@@ -617,14 +617,15 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         at = torch.tensor(starts)
         table = meta.block_table[torch.tensor(rows)]
         queries = query[at].view(len(rows), heads, self.group_size, -1)
+        lengths = [meta.seq_lens[r] - 1 for r in rows]
+        helds = [-(-n // block_size) for n in lengths]
+        picks: list[torch.Tensor | None] = [None] * len(rows)
+        if layout.bounds:
+            ids = [table[i, :held].long() for i, held in enumerate(helds)]
+            picks = self._weave_choose_rows(queries, pages, layout, ids, lengths)
         reads, held_total, read_total, choices = [], 0, 0, []
-        for i, r in enumerate(rows):
-            cached = meta.seq_lens[r] - 1
-            held = -(-cached // block_size)
+        for i, (cached, held, chosen) in enumerate(zip(lengths, helds, picks, strict=True)):
             held_total += held
-            chosen = None
-            if layout.bounds and held:
-                chosen = self._weave_choose(queries[i].float(), pages, layout, table[i, :held].long(), cached)
             choices.append(torch.arange(held).expand(heads, held) if chosen is None else chosen)
             read_total += choices[-1].shape[1]
             owner, last = table[i, [0, held - 1]].tolist()
@@ -869,28 +870,58 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
     def _weave_choose(
         self, queries: torch.Tensor, pages: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
     ) -> torch.Tensor | None:
-        """Selective decode (``decode_tokens``): the blocks (indices into ``ids``, the request's ``held``
-        blocks) that decode row ``queries: [H, g, D]`` reads per KV head, ``[H, K]`` sorted: the blocks holding
-        the sinks, the newest full block, the newest partial one, and the ``decode_tokens / block_size`` other
-        full blocks whose key bounds give the largest upper bound of ``q·k`` over the head's query group
-        (Quest's bound). ``None`` when the request has no more blocks than that: every block is read."""
-        block_size, held = pages.shape[2], ids.shape[0]
-        full = cached // block_size  # blocks with bounds; a partial newest block is read exact
-        fixed = [*range(min(-(-self.method.sinks // block_size) or 1, full)), *range(max(full - 1, 0), held)]
-        fixed = sorted(set(fixed))
-        candidates = torch.tensor([b for b in range(full) if b not in fixed], dtype=torch.long)
+        """Selective decode (``decode_tokens``) for one decode row ``queries: [H, g, D]`` over the request's
+        blocks ``ids``: :meth:`_weave_choose_rows` for one row."""
+        return self._weave_choose_rows(queries.unsqueeze(0), pages, layout, [ids], [cached])[0]
+
+    def _weave_choose_rows(
+        self,
+        queries: torch.Tensor,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        ids: list[torch.Tensor],
+        cached: list[int],
+    ) -> list[torch.Tensor | None]:
+        """Selective decode (``decode_tokens``): per decode row ``queries[r]: [H, g, D]`` (its request's blocks
+        ``ids[r]``, ``cached[r]`` stored tokens), the blocks it reads per KV head, ``[H, K]`` indices into
+        ``ids[r]``, sorted: the blocks holding the sinks, the newest full block, the newest partial one, and the
+        ``decode_tokens / block_size`` other full blocks whose key bounds give the largest upper bound of
+        ``q·k`` over the head's query group (Quest's bound). ``None`` for a row with no more blocks than that:
+        it reads every block. The rows' bounds are scored together."""
+        block_size, heads = pages.shape[2], queries.shape[1]
         budget = max(1, self.method.decode_tokens // block_size)
-        if candidates.numel() <= budget:
-            return None
-        low, high = layout.read_bounds(pages[ids[candidates], :, layout.bounds_slots, layout.scale_end :])
-        bound = (
-            queries.clamp(min=0) @ high.permute(1, 2, 0) + queries.clamp(max=0) @ low.permute(1, 2, 0)
-        ).amax(1)  # [H, F]
-        top = candidates[bound.topk(budget, dim=-1).indices]  # [H, budget]
-        heads = queries.shape[0]
-        chosen = torch.cat([torch.tensor(fixed, dtype=torch.long).expand(heads, -1), top], dim=1)
-        _add_stats(summary_blocks_read=candidates.numel() * heads)
-        return chosen.sort(dim=1).values
+        sink_blocks = max(1, -(-self.method.sinks // block_size))
+        spans = []  # per row: (first candidate, end of candidates, held)
+        for row_ids, n in zip(ids, cached, strict=True):
+            full = n // block_size  # blocks with bounds; a partial newest block is read exact
+            first = min(sink_blocks, full)
+            spans.append((first, max(full - 1, first), row_ids.shape[0]))
+        choosing = [r for r, (first, end, _) in enumerate(spans) if end - first > budget]
+        out: list[torch.Tensor | None] = [None] * len(ids)
+        if not choosing:
+            return out
+        width = max(spans[r][1] - spans[r][0] for r in choosing)
+        offset = torch.arange(width)
+        index = torch.stack(
+            [ids[r][(spans[r][0] + offset).clamp(max=spans[r][1] - 1)] for r in choosing]
+        )  # [C, width] block ids (a short row repeats its last candidate: masked below)
+        low, high = layout.read_bounds(
+            pages[index, :, layout.bounds_slots, layout.scale_end :]
+        )  # [C, w, H, D]
+        q = queries[choosing].float()  # [C, H, g, D]
+        bound = (q.clamp(min=0) @ high.permute(0, 2, 3, 1) + q.clamp(max=0) @ low.permute(0, 2, 3, 1)).amax(
+            2
+        )  # [C, H, w]
+        lengths = torch.tensor([spans[r][1] - spans[r][0] for r in choosing])
+        bound = bound.masked_fill((offset >= lengths.view(-1, 1)).unsqueeze(1), float("-inf"))
+        top = bound.topk(budget, dim=-1).indices  # [C, H, budget]
+        for i, r in enumerate(choosing):
+            first, end, held = spans[r]
+            fixed = torch.cat([torch.arange(first), torch.arange(end, held)])
+            chosen = torch.cat([fixed.expand(heads, -1), top[i] + first], dim=1)
+            out[r] = chosen.sort(dim=1).values
+        _add_stats(summary_blocks_read=int(lengths.sum()) * heads)
+        return out
 
     def _weave_write(
         self,
