@@ -376,12 +376,22 @@ def main(argv: list[str] | None = None) -> int:
         help="print each method's interval loss beside full's, checkpoint by checkpoint, from these rows files "
         "(one stream: runs of the same --model and --prompt) as a markdown table and stop",
     )
+    parser.add_argument(
+        "--summaries",
+        nargs="+",
+        metavar="ROWS",
+        help="print the latest summary of each method in these rows files as a markdown table and stop",
+    )
     args = parser.parse_args(argv)
-    if args.losses:
-        missing = [path for path in args.losses if not Path(path).is_file()]
+    for option in ("losses", "summaries"):
+        paths = getattr(args, option)
+        if not paths:
+            continue
+        missing = [path for path in paths if not Path(path).is_file()]
         if missing:
             parser.error(f"no rows file {', '.join(missing)}; give the rows.jsonl a soak run wrote")
-        print(loss_table([row for path in args.losses for row in read_rows(Path(path))]), end="")
+        rows = [row for path in paths for row in read_rows(Path(path))]
+        print(loss_table(rows) if option == "losses" else markdown(rows), end="")
         return 0
     if min(args.steps, args.every, args.prompt) < 1 or args.save_every < 0:
         parser.error("--steps, --every and --prompt must be positive, --save-every not negative")
