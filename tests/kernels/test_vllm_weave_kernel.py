@@ -144,3 +144,106 @@ def test_decode_rows_refuses_rows_without_their_newest_exact_rows() -> None:
             layout,
             0.125,
         )
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float32), (8, torch.bfloat16), (4, torch.float16)])
+def test_store_rows_writes_what_the_torch_store_writes(bits: int, dtype: torch.dtype) -> None:
+    """A step's decode rows stored in one call: the same codes (to one quantization step: the kernel sums in
+    another order), scales, exact rows and tails as ``WeaveSlot.store`` — a row starting its block (the old exact
+    rows dropped), rows whose error beats one old entry, both or none, a row written again at an exact row's
+    offset (its own entry replaced) — and each row's exact key and value in its residual rows."""
+    from kvweave.vllm.config import Basis
+
+    layout = WeaveSlot.of(
+        VllmMethod("depthweave", bits=bits, rank_k=32, rank_v=48, exact=2, decode_tokens=16),
+        DIM,
+        HEADS,
+        BLOCK,
+    )
+    generator = torch.Generator().manual_seed(bits + dtype.itemsize)
+    pages = _pages(layout, 8, generator)
+    old_offsets, _, _, _ = layout.read_exact(layout.tails(pages))
+    rewrite = int(old_offsets[5, 0, 0])  # block 5: a token written again where head 0 keeps an exact row
+    blocks, offsets = [1, 3, 5, 6, 7], [0, 9, rewrite, 15, 11]
+    bases = []
+    for _ in blocks:
+        fitted = torch.randn(40, 16, generator=generator) @ torch.randn(16, HEADS * DIM, generator=generator)
+        bases.append((Basis.fit(fitted, layout.rank_k), Basis.fit(fitted.flip(-1), layout.rank_v)))
+    k_bases, v_bases = [b[0] for b in bases], [b[1] for b in bases]
+    k_pre = torch.stack([b.mean for b in k_bases]) + torch.randn(5, HEADS * DIM, generator=generator)
+    k_pre[3] *= 30  # far off its basis: an error above both old entries
+    v_flat = torch.randn(5, HEADS * DIM, generator=generator)
+    exact = (torch.randn(5, HEADS, DIM, generator=generator).to(dtype), torch.randn(5, HEADS, DIM).to(dtype))
+    residual = (torch.zeros(4, HEADS, BLOCK, DIM, dtype=dtype), torch.zeros(4, HEADS, BLOCK, DIM, dtype=dtype))
+    rows = ([0, 2, -1, 3, 1], [1, 3, -1, 0, 2])
+    want, got = pages.clone(), pages.clone()
+    cpu_vllm_weave.store_rows_reference(
+        (k_pre, v_flat), exact, want, blocks, offsets, (k_bases, v_bases), layout
+    )
+    cpu_vllm_weave.store_rows(
+        (k_pre, v_flat), exact, got, blocks, offsets, (k_bases, v_bases), layout, residual, rows
+    )
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[blocks] = False
+    assert torch.equal(got[untouched], want[untouched])
+    at = torch.tensor(blocks), torch.tensor(offsets)
+    slots_got, slots_want = got[at[0], :, at[1]], want[at[0], :, at[1]]  # [5, H, nbytes]
+    scales = slots_want[..., layout.code_end : layout.scale_end].contiguous().view(torch.float16).float()
+    for (a, b), scale in zip(
+        zip(layout.unpack(slots_got.transpose(0, 1)), layout.unpack(slots_want.transpose(0, 1)), strict=True),
+        (scales[..., 0], scales[..., 1]),
+        strict=True,
+    ):
+        step = scale.repeat_interleave(a.shape[-1] // HEADS, dim=-1)  # [5, r]: each coordinate's head scale
+        assert bool(((a - b).abs() <= step * 1.001 + 1e-6).all())
+        assert float((a != b).float().mean()) < 0.02
+    torch.testing.assert_close(
+        slots_got[..., layout.code_end : layout.scale_end].contiguous().view(torch.float16),
+        slots_want[..., layout.code_end : layout.scale_end].contiguous().view(torch.float16),
+        rtol=1e-3,
+        atol=0,
+    )
+    off_got, err_got, k_got, v_got = layout.read_exact(layout.tails(got[at[0]]))
+    off_want, err_want, k_want, v_want = layout.read_exact(layout.tails(want[at[0]]))
+    assert torch.equal(off_got, off_want)
+    assert bool((off_want[0] == 0).any()) and bool((off_want[0] == -1).any())  # block 1 restarted: one row
+    assert bool((off_want[2, 0] == rewrite).sum() == 1)  # the rewritten token holds one entry
+    assert bool((off_want[3] == 15).any(-1).all())  # far off its basis: exact in both heads
+    torch.testing.assert_close(err_got, err_want, rtol=1e-2, atol=1e-4)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert torch.equal(got[at[0], :, :, layout.scale_end :], want[at[0], :, :, layout.scale_end :]) or bool(
+        (err_got != err_want).any()
+    )  # the tails' bytes too, unless an error's float16 rounding differs
+    for side in (0, 1):
+        for n, row in enumerate(rows[side]):
+            if row >= 0:
+                assert torch.equal(residual[side][row, :, offsets[n]], exact[side][n])
+    assert not bool(residual[0][:, :, 13].any())  # nothing else written
+
+
+@pytest.mark.parametrize("decode_tokens,sinks,group", [(48, 4, 7), (16, 0, 2), (32, 40, 1)])
+def test_choose_rows_picks_the_blocks_the_torch_choice_picks(decode_tokens: int, sinks: int, group: int) -> None:
+    """Selective decode's block choice in one call: per row and KV head the same blocks as
+    ``WeaveSlot.choose_blocks`` (the sinks' blocks, the newest full and partial ones, the budget's best bounds),
+    padded with -1 to the widest row; a row with no more candidates than the budget reads every block."""
+    layout = WeaveSlot.of(
+        VllmMethod("depthweave", rank_k=32, rank_v=48, exact=2, decode_tokens=decode_tokens),
+        DIM,
+        HEADS,
+        BLOCK,
+    )
+    generator = torch.Generator().manual_seed(decode_tokens + sinks)
+    pages = _pages(layout, 24, generator)
+    centre = torch.randn(24, HEADS, DIM, generator=generator)
+    spread = torch.rand(24, HEADS, DIM, generator=generator)
+    pages[..., layout.scale_end :] = layout.write_bounds(pages, centre - spread, centre + spread)
+    table = torch.randperm(24, generator=generator)[:20].view(2, 10).int()
+    table = torch.cat([table, table.flip(-1)])
+    cached = [150, 37, 129, 90]  # 10 blocks (a partial newest), 3, 9 (a full newest), 6
+    queries = torch.randn(4, HEADS, group, DIM, generator=generator)
+    args = (queries, pages, table, cached, layout, decode_tokens, sinks)
+    want = cpu_vllm_weave.choose_rows_reference(*args)
+    got = cpu_vllm_weave.choose_rows(*args)
+    assert torch.equal(got, want)
+    assert bool((got[1, :, :3] == torch.arange(3)).all())  # three blocks: read whole
+    assert bool((got[0] >= 0).sum(-1).lt(10).all())  # the long row skipped some

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 // Decode attention of a layer's decode rows straight from kvweave's vLLM `depthweave` blocks (WeaveSlot layout):
@@ -306,6 +307,293 @@ torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch
                       std::min(recent_first[r], cached[r]),
                       p[0], p[1], p[2], p[3], p[4], p[5], sinks, p[6], p[7], cp, sp, kn + rh * s.D, vn + rh * s.D,
                       op + rh * s.G * s.D);
+    }
+  });
+  return out;
+}
+
+// The write hook for a step's decode rows (one new token each, in distinct blocks), what WeaveSlot.store does in
+// torch, bit for bit but for the order of float sums: each token's coordinates on its request's bases (k_rows,
+// v_rows: [r, H*D] float16; means [H*D] and scales [r] float32; k_pre: the de-rotated key, v_flat: the value, both
+// [R, H*D] float32), quantized per KV head's share (symmetric, the scale max|c| / qmax clamped to [1e-8, 6e4] and
+// rounded to float16), packed into slot `offsets[n]` of block `blocks[n]`; then per KV head the block's exact rows
+// kept as the `exact` of largest relative error among those already there (a block started at offset 0 drops
+// them, a token written again replaces its own) and this token's (the error of its stored form rebuilt on the
+// bases: squared distance over squared norm, keys' plus values'), sorted by error, empty entries zeroed, the rest
+// of the tails zeroed. Each token's exact key and value (`k_exact`, `v_exact`: [R, H, D] of the residuals' dtype)
+// also go to slot `offsets[n]` of its rows `k_res_rows[n]`, `v_res_rows[n]` of the residuals ([X, H, BS, D]);
+// -1: not kept.
+static inline float as_float(const void* base, at::ScalarType type, int64_t i) {
+  switch (type) {
+    case at::kFloat: return static_cast<const float*>(base)[i];
+    case at::kHalf: return static_cast<float>(static_cast<const at::Half*>(base)[i]);
+    case at::kBFloat16: return static_cast<float>(static_cast<const at::BFloat16*>(base)[i]);
+    default: TORCH_CHECK(false, "vllm_weave_store_rows: exact rows must be float32, float16 or bfloat16");
+  }
+  return 0.f;
+}
+
+static inline void put_half(uint8_t* p, float x) {
+  const at::Half h = static_cast<at::Half>(x);
+  std::memcpy(p, &h, 2);
+}
+
+// coords[j] = rows[j] . (x - mean) / scale[j]; then stored[j]: the coordinate as its quantized form gives it back.
+static void encode_quantize(const at::Half* rows, const float* mean, const float* scale, const float* x, int64_t r,
+                            int64_t HD, int64_t H, int64_t bits, uint8_t* codes, at::Half* head_scale,
+                            float* stored) {
+  std::vector<float> centred(HD), c(r);
+  for (int64_t i = 0; i < HD; ++i) centred[i] = x[i] - mean[i];
+  for (int64_t j = 0; j < r; ++j) {
+    const at::Half* row = rows + j * HD;
+    float acc = 0.f;
+    for (int64_t i = 0; i < HD; ++i) acc += static_cast<float>(row[i]) * centred[i];
+    c[j] = acc / scale[j];
+  }
+  const int64_t share = r / H;
+  const float qmax = static_cast<float>((1 << (bits - 1)) - 1), offset = qmax + 1.f;
+  for (int64_t h = 0; h < H; ++h) {
+    float top = 0.f;
+    for (int64_t j = h * share; j < (h + 1) * share; ++j) top = std::max(top, std::fabs(c[j]));
+    head_scale[h] = static_cast<at::Half>(std::min(std::max(top / qmax, 1e-8f), 6e4f));
+    const float sf = static_cast<float>(head_scale[h]);
+    for (int64_t j = h * share; j < (h + 1) * share; ++j) {
+      const float q = std::min(std::max(std::nearbyint(c[j] / sf), -qmax), qmax);
+      codes[j] = static_cast<uint8_t>(q + offset);
+      stored[j] = q * sf;
+    }
+  }
+}
+
+// Per KV head: squared error of rows . (stored * scale) + mean against x, over x's squared norm.
+static void add_error(const at::Half* rows, const float* mean, const float* scale, const float* stored,
+                      const float* x, int64_t r, int64_t H, int64_t D, float* error) {
+  const int64_t HD = H * D;
+  std::vector<float> rebuilt(mean, mean + HD);
+  for (int64_t j = 0; j < r; ++j) {
+    const float w = stored[j] * scale[j];
+    const at::Half* row = rows + j * HD;
+    for (int64_t i = 0; i < HD; ++i) rebuilt[i] += w * static_cast<float>(row[i]);
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float err = 0.f, norm = 0.f;
+    for (int64_t d = h * D; d < (h + 1) * D; ++d) {
+      const float e = rebuilt[d] - x[d];
+      err += e * e, norm += x[d] * x[d];
+    }
+    error[h] += err / std::max(norm, 1e-12f);
+  }
+}
+
+static void pack_share(const uint8_t* codes, int64_t count, int64_t bits, uint8_t* out) {
+  const int64_t per = 8 / bits;
+  for (int64_t b = 0; b < count / per; ++b) {
+    int byte = 0;
+    for (int64_t k = 0; k < per; ++k) byte |= codes[b * per + k] << (k * bits);
+    out[b] = static_cast<uint8_t>(byte);
+  }
+}
+
+void vllm_weave_store_rows(torch::Tensor k_pre, torch::Tensor v_flat, torch::Tensor k_exact, torch::Tensor v_exact,
+                           torch::Tensor pages, const std::vector<int64_t>& blocks,
+                           const std::vector<int64_t>& offsets, const std::vector<torch::Tensor>& k_rows,
+                           const std::vector<torch::Tensor>& k_mean, const std::vector<torch::Tensor>& k_scale,
+                           const std::vector<torch::Tensor>& v_rows, const std::vector<torch::Tensor>& v_mean,
+                           const std::vector<torch::Tensor>& v_scale, torch::Tensor k_res, torch::Tensor v_res,
+                           const std::vector<int64_t>& k_res_rows, const std::vector<int64_t>& v_res_rows,
+                           int64_t bits, int64_t rank_k, int64_t rank_v, int64_t exact, int64_t k_bytes,
+                           int64_t code_end, int64_t scale_end, int64_t exact_bytes) {
+  const int64_t R = k_pre.size(0), H = k_exact.size(1), D = k_exact.size(2), HD = H * D;
+  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.is_contiguous() && pages.dim() == 4 && pages.size(1) == H,
+              "vllm_weave_store_rows: contiguous uint8 pages [blocks, KV heads, block size, slot bytes]");
+  TORCH_CHECK(k_pre.scalar_type() == at::kFloat && v_flat.scalar_type() == at::kFloat && k_pre.is_contiguous() &&
+                  v_flat.is_contiguous() && k_pre.size(1) == HD && v_flat.size(0) == R && v_flat.size(1) == HD,
+              "vllm_weave_store_rows: contiguous float32 k_pre and v_flat [rows, KV heads x head size]");
+  TORCH_CHECK(k_exact.is_contiguous() && v_exact.is_contiguous() && k_exact.size(0) == R &&
+                  v_exact.sizes() == k_exact.sizes(),
+              "vllm_weave_store_rows: contiguous exact keys and values [rows, KV heads, head size]");
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == R && static_cast<int64_t>(offsets.size()) == R &&
+                  static_cast<int64_t>(k_rows.size()) == R && static_cast<int64_t>(v_rows.size()) == R &&
+                  static_cast<int64_t>(k_mean.size()) == R && static_cast<int64_t>(v_mean.size()) == R &&
+                  static_cast<int64_t>(k_scale.size()) == R && static_cast<int64_t>(v_scale.size()) == R &&
+                  static_cast<int64_t>(k_res_rows.size()) == R && static_cast<int64_t>(v_res_rows.size()) == R,
+              "vllm_weave_store_rows: one block, offset, basis and residual row per row");
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "vllm_weave_store_rows: bits must be 2, 4 or 8");
+  const int64_t NB = pages.size(0), BS = pages.size(2), SLOT = pages.size(3), TB = SLOT - scale_end;
+  TORCH_CHECK(exact_bytes == exact * (4 + 4 * D) && exact_bytes <= BS * TB,
+              "vllm_weave_store_rows: the tails cannot hold the exact rows");
+  for (const auto* res : {&k_res, &v_res})
+    TORCH_CHECK(res->scalar_type() == k_exact.scalar_type() && res->is_contiguous() && res->dim() == 4 &&
+                    res->size(1) == H && res->size(2) == BS && res->size(3) == D,
+                "vllm_weave_store_rows: contiguous residuals [rows, KV heads, block size, head size] of the exact "
+                "rows' dtype");
+  uint8_t* pp = pages.data_ptr<uint8_t>();
+  const float *kp = k_pre.data_ptr<float>(), *vp = v_flat.data_ptr<float>();
+  const auto type = k_exact.scalar_type();
+  const void *ke = k_exact.data_ptr(), *ve = v_exact.data_ptr();
+  std::vector<uint8_t> codes_k(rank_k), codes_v(rank_v), stream(BS * TB);
+  std::vector<at::Half> scale_k(H), scale_v(H);
+  std::vector<float> stored_k(rank_k), stored_v(rank_v), error(H);
+  for (int64_t n = 0; n < R; ++n) {
+    const int64_t b = blocks[n], o = offsets[n];
+    TORCH_CHECK(b >= 0 && b < NB && o >= 0 && o < BS, "vllm_weave_store_rows: row ", n, "'s slot is out of range");
+    for (const auto* t : {&k_rows[n], &v_rows[n]})
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->size(1) == HD,
+                  "vllm_weave_store_rows: a basis' rows must be contiguous float16 [rank, KV heads x head size]");
+    TORCH_CHECK(k_rows[n].size(0) == rank_k && v_rows[n].size(0) == rank_v && k_scale[n].numel() == rank_k &&
+                    v_scale[n].numel() == rank_v && k_mean[n].numel() == HD && v_mean[n].numel() == HD &&
+                    k_mean[n].scalar_type() == at::kFloat && v_mean[n].scalar_type() == at::kFloat &&
+                    k_scale[n].scalar_type() == at::kFloat && v_scale[n].scalar_type() == at::kFloat,
+                "vllm_weave_store_rows: row ", n, "'s bases do not match the ranks");
+    const at::Half *krows = k_rows[n].data_ptr<at::Half>(), *vrows = v_rows[n].data_ptr<at::Half>();
+    const float *kmean = k_mean[n].data_ptr<float>(), *vmean = v_mean[n].data_ptr<float>();
+    const float *kscale = k_scale[n].data_ptr<float>(), *vscale = v_scale[n].data_ptr<float>();
+    encode_quantize(krows, kmean, kscale, kp + n * HD, rank_k, HD, H, bits, codes_k.data(), scale_k.data(),
+                    stored_k.data());
+    encode_quantize(vrows, vmean, vscale, vp + n * HD, rank_v, HD, H, bits, codes_v.data(), scale_v.data(),
+                    stored_v.data());
+    const int64_t sk = rank_k / H, sv = rank_v / H;
+    for (int64_t h = 0; h < H; ++h) {
+      uint8_t* slot = pp + ((b * H + h) * BS + o) * SLOT;
+      pack_share(codes_k.data() + h * sk, sk, bits, slot);
+      pack_share(codes_v.data() + h * sv, sv, bits, slot + k_bytes);
+      std::memcpy(slot + code_end, &scale_k[h], 2);
+      std::memcpy(slot + code_end + 2, &scale_v[h], 2);
+    }
+    if (exact > 0) {
+      std::fill(error.begin(), error.end(), 0.f);
+      add_error(krows, kmean, kscale, stored_k.data(), kp + n * HD, rank_k, H, D, error.data());
+      add_error(vrows, vmean, vscale, stored_v.data(), vp + n * HD, rank_v, H, D, error.data());
+      for (int64_t h = 0; h < H; ++h) {
+        uint8_t* first = pp + (b * H + h) * BS * SLOT + scale_end;  // slot 0's tail of this head
+        for (int64_t s = 0; s < BS; ++s) std::memcpy(stream.data() + s * TB, first + s * SLOT, TB);
+        const int16_t* old_off = reinterpret_cast<const int16_t*>(stream.data());
+        const uint8_t* old_err = stream.data() + 2 * exact;
+        const uint8_t* old_rows = stream.data() + 4 * exact;  // keys [E, D] then values [E, D], float16
+        // candidates: (error, offset, source): source < exact an old entry, -1 this token
+        std::vector<std::tuple<float, int64_t, int64_t>> keep;
+        if (o != 0)
+          for (int64_t e = 0; e < exact; ++e)
+            if (old_off[e] >= 0 && old_off[e] != o) keep.emplace_back(half_at(old_err + 2 * e), old_off[e], e);
+        keep.emplace_back(error[h], o, -1);
+        std::stable_sort(keep.begin(), keep.end(),
+                         [](const auto& x, const auto& y) { return std::get<0>(x) > std::get<0>(y); });
+        std::vector<uint8_t> out(BS * TB, 0);
+        for (int64_t e = 0; e < exact && e < static_cast<int64_t>(keep.size()); ++e) {
+          const auto& [err, off, source] = keep[e];
+          const int16_t off16 = static_cast<int16_t>(off);
+          std::memcpy(out.data() + 2 * e, &off16, 2);
+          put_half(out.data() + 2 * exact + 2 * e, std::min(std::max(err, -6e4f), 6e4f));
+          uint8_t* key_out = out.data() + 4 * exact + 2 * e * D;
+          uint8_t* value_out = key_out + 2 * exact * D;
+          if (source >= 0) {
+            std::memcpy(key_out, old_rows + 2 * source * D, 2 * D);
+            std::memcpy(value_out, old_rows + 2 * (exact + source) * D, 2 * D);
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              put_half(key_out + 2 * d, as_float(ke, type, (n * H + h) * D + d));
+              put_half(value_out + 2 * d, as_float(ve, type, (n * H + h) * D + d));
+            }
+          }
+        }
+        for (int64_t e = static_cast<int64_t>(keep.size()); e < exact; ++e) {  // empty entries
+          const int16_t none = -1;
+          std::memcpy(out.data() + 2 * e, &none, 2);
+          put_half(out.data() + 2 * exact + 2 * e, -6e4f);
+        }
+        for (int64_t s = 0; s < BS; ++s) std::memcpy(first + s * SLOT, out.data() + s * TB, TB);
+      }
+    }
+    const int64_t width = D * k_exact.element_size();
+    for (int side = 0; side < 2; ++side) {
+      const int64_t row = side == 0 ? k_res_rows[n] : v_res_rows[n];
+      if (row < 0) continue;
+      const torch::Tensor& res = side == 0 ? k_res : v_res;
+      TORCH_CHECK(row < res.size(0), "vllm_weave_store_rows: residual row out of range");
+      auto* rp = static_cast<uint8_t*>(res.data_ptr());
+      const auto* src = static_cast<const uint8_t*>(side == 0 ? ke : ve);
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(rp + ((row * H + h) * BS + o) * width, src + (n * H + h) * width, width);
+    }
+  }
+}
+
+// Selective decode's block choice for a step's decode rows (the backend's _weave_choose_rows, in one call): per row
+// r (queries q[r]: [H, G, D] float32, its blocks table[r], cached[r] stored tokens) and KV head, the indices into
+// the row's table of the blocks it reads: the first `first` (the sinks'), the newest full and the partial one, and
+// the `budget` others whose key bounds (float16 minimum and maximum per channel, at byte `exact_bytes` of each
+// block's tail stream) give the largest Quest bound max over the head's query group of sum_d max(q*lo, q*hi),
+// sorted, -1 padding to the widest row. A row with no more candidates than the budget reads every block (all
+// its indices). Returns chosen [R, H, K] int64.
+torch::Tensor vllm_weave_choose_rows(torch::Tensor q, torch::Tensor pages, torch::Tensor table,
+                                     const std::vector<int64_t>& cached, int64_t budget, int64_t sink_blocks,
+                                     int64_t scale_end, int64_t exact_bytes) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4,
+              "vllm_weave_choose_rows: contiguous float32 queries [rows, KV heads, group, head size]");
+  TORCH_CHECK(pages.scalar_type() == at::kByte && pages.is_contiguous() && pages.size(1) == q.size(1),
+              "vllm_weave_choose_rows: contiguous uint8 pages with the queries' KV heads");
+  TORCH_CHECK((table.scalar_type() == at::kInt || table.scalar_type() == at::kLong) && table.is_contiguous() &&
+                  table.size(0) == q.size(0) && static_cast<int64_t>(cached.size()) == q.size(0),
+              "vllm_weave_choose_rows: one table row and one cached count per query row");
+  TORCH_CHECK(budget >= 1 && sink_blocks >= 1, "vllm_weave_choose_rows: budget and sink_blocks must be positive");
+  const int64_t R = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t NB = pages.size(0), BS = pages.size(2), SLOT = pages.size(3), TB = SLOT - scale_end;
+  const int64_t W = table.size(1);
+  TORCH_CHECK(exact_bytes + 4 * D <= BS * TB, "vllm_weave_choose_rows: the tails hold no key bounds");
+  std::vector<int64_t> held(R), first(R), end(R);
+  int64_t width = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    held[r] = (cached[r] + BS - 1) / BS;
+    TORCH_CHECK(held[r] <= W, "vllm_weave_choose_rows: row ", r, " holds more blocks than its table");
+    const int64_t full = cached[r] / BS;
+    first[r] = std::min(sink_blocks, full);
+    end[r] = std::max(full - 1, first[r]);
+    const bool choosing = end[r] - first[r] > budget;
+    width = std::max(width, choosing ? first[r] + (held[r] - end[r]) + budget : held[r]);
+  }
+  auto out = torch::full({R, H, width}, -1, torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* pp = pages.data_ptr<uint8_t>();
+  const bool wide = table.scalar_type() == at::kLong;
+  at::parallel_for(0, R * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> plus(G * D), minus(G * D), low(D), high(D);
+    std::vector<std::pair<float, int64_t>> scored;
+    for (int64_t rh = lo; rh < hi; ++rh) {
+      const int64_t r = rh / H, h = rh % H;
+      int64_t* o = op + rh * width;
+      if (end[r] - first[r] <= budget) {
+        for (int64_t b = 0; b < held[r]; ++b) o[b] = b;
+        continue;
+      }
+      const float* qh = qp + rh * G * D;
+      for (int64_t i = 0; i < G * D; ++i) plus[i] = std::max(qh[i], 0.f), minus[i] = std::min(qh[i], 0.f);
+      scored.clear();
+      for (int64_t b = first[r]; b < end[r]; ++b) {
+        const int64_t id = wide ? table.data_ptr<int64_t>()[r * W + b] : table.data_ptr<int32_t>()[r * W + b];
+        TORCH_CHECK(id >= 0 && id < NB, "vllm_weave_choose_rows: block id out of range");
+        const uint8_t* tail = pp + (id * H + h) * BS * SLOT + scale_end;
+        for (int64_t d = 0; d < 2 * D; ++d) {
+          const int64_t at = exact_bytes + 2 * d;  // byte of the tail stream: slot at / TB, byte at % TB
+          const float value = half_at(tail + (at / TB) * SLOT + at % TB);
+          (d < D ? low[d] : high[d - D]) = value;
+        }
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t g = 0; g < G; ++g) {
+          float bound = 0.f;
+          for (int64_t d = 0; d < D; ++d) bound += plus[g * D + d] * high[d] + minus[g * D + d] * low[d];
+          best = std::max(best, bound);
+        }
+        scored.emplace_back(best, b);
+      }
+      std::partial_sort(scored.begin(), scored.begin() + budget, scored.end(),
+                        [](const auto& x, const auto& y) { return x.first > y.first; });
+      std::vector<int64_t> pick;
+      for (int64_t b = 0; b < first[r]; ++b) pick.push_back(b);
+      for (int64_t b = end[r]; b < held[r]; ++b) pick.push_back(b);
+      for (int64_t i = 0; i < budget; ++i) pick.push_back(scored[i].second);
+      std::sort(pick.begin(), pick.end());
+      std::copy(pick.begin(), pick.end(), o);
     }
   });
   return out;

@@ -24,7 +24,7 @@ import torch
 from kvweave.kernels._build import build, source
 from kvweave.ops.rope import apply_rotary
 
-_NAME = "kvweave_cpu_vllm_weave_v5"
+_NAME = "kvweave_cpu_vllm_weave_v6"
 _SOURCE = source("cpu_vllm_weave.cpp")
 _CPP_DECL = (
     "torch::Tensor vllm_weave_decode_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, "
@@ -35,8 +35,21 @@ _CPP_DECL = (
     "const std::vector<torch::Tensor>& sink_v, const std::vector<torch::Tensor>& recent_k, "
     "const std::vector<torch::Tensor>& recent_v, torch::Tensor cos, torch::Tensor sin, int64_t bits, "
     "int64_t rank_k, int64_t rank_v, int64_t exact, int64_t scale_end, int64_t k_bytes, int64_t code_end, "
-    "double scaling);"
+    "double scaling);\n"
+    "void vllm_weave_store_rows(torch::Tensor k_pre, torch::Tensor v_flat, torch::Tensor k_exact, "
+    "torch::Tensor v_exact, torch::Tensor pages, const std::vector<int64_t>& blocks, "
+    "const std::vector<int64_t>& offsets, const std::vector<torch::Tensor>& k_rows, "
+    "const std::vector<torch::Tensor>& k_mean, const std::vector<torch::Tensor>& k_scale, "
+    "const std::vector<torch::Tensor>& v_rows, const std::vector<torch::Tensor>& v_mean, "
+    "const std::vector<torch::Tensor>& v_scale, torch::Tensor k_res, torch::Tensor v_res, "
+    "const std::vector<int64_t>& k_res_rows, const std::vector<int64_t>& v_res_rows, int64_t bits, "
+    "int64_t rank_k, int64_t rank_v, int64_t exact, int64_t k_bytes, int64_t code_end, int64_t scale_end, "
+    "int64_t exact_bytes);\n"
+    "torch::Tensor vllm_weave_choose_rows(torch::Tensor q, torch::Tensor pages, torch::Tensor table, "
+    "const std::vector<int64_t>& cached, int64_t budget, int64_t sink_blocks, int64_t scale_end, "
+    "int64_t exact_bytes);"
 )
+_FUNCTIONS = ["vllm_weave_decode_rows", "vllm_weave_store_rows", "vllm_weave_choose_rows"]
 
 _reason: str | None = None
 
@@ -45,7 +58,7 @@ _reason: str | None = None
 def load() -> Any | None:
     """The compiled extension, or ``None`` when it cannot be built here (``KVWEAVE_NO_CPP=1`` disables it)."""
     global _reason
-    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, ["vllm_weave_decode_rows"])
+    module, _reason = build(_NAME, _CPP_DECL, _SOURCE, _FUNCTIONS)
     return module
 
 
@@ -173,3 +186,120 @@ def decode_rows_reference(
             logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         outs.append(torch.einsum("hgt,thd->hgd", logits.softmax(-1), values))
     return torch.stack(outs)
+
+
+def store_rows(
+    flat: tuple[torch.Tensor, torch.Tensor],
+    exact: tuple[torch.Tensor, torch.Tensor],
+    pages: torch.Tensor,
+    blocks: list[int],
+    offsets: list[int],
+    bases: tuple[list[Any], list[Any]],
+    layout: Any,
+    residual: tuple[torch.Tensor, torch.Tensor],
+    residual_rows: tuple[list[int], list[int]],
+) -> None:
+    """The write hook for a step's decode rows in one call: token ``n`` (``flat``: its pre-RoPE key and its value
+    ``[R, H·D]``; ``exact``: its exact key and value ``[R, H, D]``, the residuals' dtype) stored in slot
+    ``offsets[n]`` of block ``blocks[n]`` of ``pages: [NB, H, block_size, slot]`` uint8 (distinct blocks) on the
+    bases ``bases[0][n], bases[1][n]`` (``kvweave.vllm.config.Basis``) as :func:`store_rows_reference` stores it,
+    and its exact rows copied into slot ``offsets[n]`` of rows ``residual_rows[0][n]``,
+    ``residual_rows[1][n]`` of ``residual: [X, H, block_size, D]`` (-1: not kept)."""
+    module = load()
+    assert module is not None, unavailable_reason()
+    k_bases, v_bases = bases
+    module.vllm_weave_store_rows(
+        flat[0].float().contiguous(),
+        flat[1].float().contiguous(),
+        exact[0].contiguous(),
+        exact[1].contiguous(),
+        pages,
+        blocks,
+        offsets,
+        [b.rows.contiguous() for b in k_bases],
+        [b.mean.float().contiguous() for b in k_bases],
+        [b.scale.float().contiguous() for b in k_bases],
+        [b.rows.contiguous() for b in v_bases],
+        [b.mean.float().contiguous() for b in v_bases],
+        [b.scale.float().contiguous() for b in v_bases],
+        residual[0],
+        residual[1],
+        residual_rows[0],
+        residual_rows[1],
+        layout.bits,
+        layout.rank_k,
+        layout.rank_v,
+        layout.exact,
+        layout.k_bytes,
+        layout.code_end,
+        layout.scale_end,
+        layout.exact_bytes,
+    )
+
+
+def store_rows_reference(
+    flat: tuple[torch.Tensor, torch.Tensor],
+    exact: tuple[torch.Tensor, torch.Tensor],
+    pages: torch.Tensor,
+    blocks: list[int],
+    offsets: list[int],
+    bases: tuple[list[Any], list[Any]],
+    layout: Any,
+) -> None:
+    """:func:`store_rows`' pages in torch (the backend's own path): ``WeaveSlot.store`` of the coordinates on the
+    rows' bases."""
+    from kvweave.vllm.config import decode_rows, encode_rows
+
+    k_bases, v_bases = bases
+    coords = (encode_rows(k_bases, flat[0]), encode_rows(v_bases, flat[1]))
+    decoders = (lambda c: decode_rows(k_bases, c), lambda c: decode_rows(v_bases, c))
+    layout.store(pages, torch.tensor(blocks), torch.tensor(offsets), flat, exact, coords, decoders)
+
+
+def choose_rows(
+    queries: torch.Tensor,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    cached: list[int],
+    layout: Any,
+    decode_tokens: int,
+    sinks: int,
+) -> torch.Tensor:
+    """Selective decode's block choice for decode rows ``queries: [R, H, G, D]`` (blocks ``table: [R, W]``,
+    ``cached[r]`` stored tokens) in one call: ``[R, H, K]`` indices into each row's table, sorted, -1 padding —
+    the blocks :func:`choose_rows_reference` chooses, every block of a row that has no more than the budget."""
+    module = load()
+    assert module is not None, unavailable_reason()
+    block_size = pages.shape[2]
+    return module.vllm_weave_choose_rows(
+        queries.float().contiguous(),
+        pages.contiguous(),
+        table.contiguous(),
+        cached,
+        max(1, decode_tokens // block_size),
+        max(1, -(-sinks // block_size)),
+        layout.scale_end,
+        layout.exact_bytes,
+    )
+
+
+def choose_rows_reference(
+    queries: torch.Tensor,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    cached: list[int],
+    layout: Any,
+    decode_tokens: int,
+    sinks: int,
+) -> torch.Tensor:
+    """:func:`choose_rows` in torch (the backend's own path, ``WeaveSlot.choose_blocks``), padded the same way."""
+    block_size, heads = pages.shape[2], queries.shape[1]
+    helds = [-(-n // block_size) for n in cached]
+    ids = [table[r, :held].long() for r, held in enumerate(helds)]
+    picks, _ = layout.choose_blocks(queries, pages, ids, cached, decode_tokens, sinks)
+    choices = [
+        torch.arange(held).expand(heads, held) if pick is None else pick
+        for held, pick in zip(helds, picks, strict=True)
+    ]
+    width = max(choice.shape[1] for choice in choices)
+    return torch.stack([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-1) for c in choices])

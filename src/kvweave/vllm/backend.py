@@ -60,7 +60,17 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from kvweave.kernels.registry import Kernel, choose
 from kvweave.ops.attention import attention_with_lse
 from kvweave.ops.rope import apply_rotary, remove_rotary
-from kvweave.vllm.config import ENV_METHOD, Basis, PageSlot, QuantSlot, VllmMethod, WeaveSlot, rope_cos_sin
+from kvweave.vllm.config import (
+    ENV_METHOD,
+    Basis,
+    PageSlot,
+    QuantSlot,
+    VllmMethod,
+    WeaveSlot,
+    decode_rows,
+    encode_rows,
+    rope_cos_sin,
+)
 
 ENV_STATS = "KVWEAVE_VLLM_STATS"
 ENV_KERNEL = "KVWEAVE_VLLM_KERNEL"
@@ -619,15 +629,21 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         queries = query[at].view(len(rows), heads, self.group_size, -1)
         lengths = [meta.seq_lens[r] - 1 for r in rows]
         helds = [-(-n // block_size) for n in lengths]
-        picks: list[torch.Tensor | None] = [None] * len(rows)
-        if layout.bounds:
-            ids = [table[i, :held].long() for i, held in enumerate(helds)]
-            picks = self._weave_choose_rows(queries, pages, layout, ids, lengths)
-        reads, held_total, read_total, choices = [], 0, 0, []
-        for i, (cached, held, chosen) in enumerate(zip(lengths, helds, picks, strict=True)):
-            held_total += held
-            choices.append(torch.arange(held).expand(heads, held) if chosen is None else chosen)
-            read_total += choices[-1].shape[1]
+        selected = None
+        if layout.bounds:  # every row's blocks per KV head, -1 padding
+            method = self.method
+            selected = cpu_vllm_weave.choose_rows(
+                queries, pages, table, lengths, layout, method.decode_tokens, method.sinks
+            )
+            budget, sink_blocks = max(1, method.decode_tokens // block_size), -(-method.sinks // block_size)
+            spans = [(min(max(1, sink_blocks), n // block_size), n // block_size - 1) for n in lengths]
+            scored = sum(max(end, first) - first for first, end in spans if max(end, first) - first > budget)
+            if scored:
+                _add_stats(summary_blocks_read=scored * heads)
+        reads = []
+        read_total = int((selected[:, 0] >= 0).sum()) if selected is not None else sum(helds)
+        held_total = sum(helds)
+        for i, (cached, held) in enumerate(zip(lengths, helds, strict=True)):
             owner, last = table[i, [0, held - 1]].tolist()
             entry = self.bases.get(owner)
             kb, kmean, vb, vmean, sink_k, sink_v = entry.kernel_view()
@@ -643,12 +659,6 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
                 )
             )
         cos, sin = self._rope(0, max(read.cached for read in reads))
-        selected = None
-        if layout.bounds:  # every row's blocks per KV head, padded with -1 to the longest choice
-            width = max(choice.shape[1] for choice in choices)
-            selected = torch.stack(
-                [F.pad(choice, (0, width - choice.shape[1]), value=-1) for choice in choices]
-            )
         out = cpu_vllm_weave.decode_rows(
             queries, (key[at], value[at]), pages, table, reads, cos, sin, layout, self.scale, selected
         )
@@ -829,9 +839,14 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         table = meta.block_table[torch.tensor(rows), 0].tolist()
         entries = [self.bases.get(int(owner)) for owner in table]
         k_bases, v_bases = [entry.k for entry in entries], [entry.v for entry in entries]
-        coords = (_encode_rows(k_bases, k_pre), _encode_rows(v_bases, v_flat))
-        decoders = (lambda c: _decode_rows(k_bases, c), lambda c: _decode_rows(v_bases, c))
-        self._weave_write(pages, layout, slots, (k_pre, v_flat), (k_exact, v_exact), coords, decoders)
+        if self._fused_decode(key.device, WEAVE_DECODE) and pages.is_contiguous():
+            self._weave_write_rows(
+                pages, layout, slots.tolist(), (k_pre, v_flat), (k_exact, v_exact), (k_bases, v_bases)
+            )
+        else:
+            coords = (encode_rows(k_bases, k_pre), encode_rows(v_bases, v_flat))
+            decoders = (lambda c: decode_rows(k_bases, c), lambda c: decode_rows(v_bases, c))
+            self._weave_write(pages, layout, slots, (k_pre, v_flat), (k_exact, v_exact), coords, decoders)
         if layout.bounds:
             block_size = pages.shape[2]
             for i, (slot, position) in enumerate(zip(slots.tolist(), positions, strict=True)):
@@ -882,46 +897,14 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         ids: list[torch.Tensor],
         cached: list[int],
     ) -> list[torch.Tensor | None]:
-        """Selective decode (``decode_tokens``): per decode row ``queries[r]: [H, g, D]`` (its request's blocks
-        ``ids[r]``, ``cached[r]`` stored tokens), the blocks it reads per KV head, ``[H, K]`` indices into
-        ``ids[r]``, sorted: the blocks holding the sinks, the newest full block, the newest partial one, and the
-        ``decode_tokens / block_size`` other full blocks whose key bounds give the largest upper bound of
-        ``q·k`` over the head's query group (Quest's bound). ``None`` for a row with no more blocks than that:
-        it reads every block. The rows' bounds are scored together."""
-        block_size, heads = pages.shape[2], queries.shape[1]
-        budget = max(1, self.method.decode_tokens // block_size)
-        sink_blocks = max(1, -(-self.method.sinks // block_size))
-        spans = []  # per row: (first candidate, end of candidates, held)
-        for row_ids, n in zip(ids, cached, strict=True):
-            full = n // block_size  # blocks with bounds; a partial newest block is read exact
-            first = min(sink_blocks, full)
-            spans.append((first, max(full - 1, first), row_ids.shape[0]))
-        choosing = [r for r, (first, end, _) in enumerate(spans) if end - first > budget]
-        out: list[torch.Tensor | None] = [None] * len(ids)
-        if not choosing:
-            return out
-        width = max(spans[r][1] - spans[r][0] for r in choosing)
-        offset = torch.arange(width)
-        index = torch.stack(
-            [ids[r][(spans[r][0] + offset).clamp(max=spans[r][1] - 1)] for r in choosing]
-        )  # [C, width] block ids (a short row repeats its last candidate: masked below)
-        low, high = layout.read_bounds(
-            pages[index, :, layout.bounds_slots, layout.scale_end :]
-        )  # [C, w, H, D]
-        q = queries[choosing].float()  # [C, H, g, D]
-        bound = (q.clamp(min=0) @ high.permute(0, 2, 3, 1) + q.clamp(max=0) @ low.permute(0, 2, 3, 1)).amax(
-            2
-        )  # [C, H, w]
-        lengths = torch.tensor([spans[r][1] - spans[r][0] for r in choosing])
-        bound = bound.masked_fill((offset >= lengths.view(-1, 1)).unsqueeze(1), float("-inf"))
-        top = bound.topk(budget, dim=-1).indices  # [C, H, budget]
-        for i, r in enumerate(choosing):
-            first, end, held = spans[r]
-            fixed = torch.cat([torch.arange(first), torch.arange(end, held)])
-            chosen = torch.cat([fixed.expand(heads, -1), top[i] + first], dim=1)
-            out[r] = chosen.sort(dim=1).values
-        _add_stats(summary_blocks_read=int(lengths.sum()) * heads)
-        return out
+        """Selective decode (``decode_tokens``) in torch: :meth:`WeaveSlot.choose_blocks` for decode rows
+        ``queries: [R, H, g, D]`` over their blocks ``ids``, counted in the stats."""
+        picks, scored = layout.choose_blocks(
+            queries, pages, ids, cached, self.method.decode_tokens, self.method.sinks
+        )
+        if scored:
+            _add_stats(summary_blocks_read=scored * queries.shape[1])
+        return picks
 
     def _weave_write(
         self,
@@ -938,22 +921,45 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
         ``flat``: pre-RoPE keys and values ``[n, H·D]``), the exact rows ``exact: [n, H, D]`` in the residual of
         each block still being filled."""
         assert self.recent is not None
-        heads, block_size = self.num_kv_heads, pages.shape[2]
-        packed = layout.pack(*coords)  # [n, H, scale_end]
+        block_size = pages.shape[2]
         blocks, offsets = slots // block_size, slots % block_size
-        pages[blocks, :, offsets, : layout.scale_end] = packed
-        if layout.exact:
-            stored = layout.unpack(packed.transpose(0, 1))
-            (k_decode, v_decode), (ck, cv), (k_pre, v_flat) = decoders, stored, flat
-            error = _relative_error(k_decode(ck), k_pre, heads) + _relative_error(v_decode(cv), v_flat, heads)
-            # error [n, H]: how badly the stored form represents each token
-            _keep_worst_exact(pages, layout, blocks, offsets, error, *exact)
+        layout.store(pages, blocks, offsets, flat, exact, coords, decoders)
         for residual, rows in zip(self.recent, exact, strict=True):
             kept = residual.store(blocks, offsets, rows)
             full = offsets == block_size - 1
             if kept is not None:
                 full &= kept
             residual.release(blocks[full])
+
+    def _weave_write_rows(
+        self,
+        pages: torch.Tensor,
+        layout: WeaveSlot,
+        slots: list[int],
+        flat: tuple[torch.Tensor, torch.Tensor],
+        exact: tuple[torch.Tensor, torch.Tensor],
+        bases: tuple[list[Basis], list[Basis]],
+    ) -> None:
+        """:meth:`_weave_write` for decode rows (one token each, in distinct blocks) with the C++ kernel: the
+        pages, the exact rows and the residual rows written in one call."""
+        from kvweave.kernels import cpu_vllm_weave
+
+        assert self.recent is not None
+        block_size = pages.shape[2]
+        blocks, offsets = [s // block_size for s in slots], [s % block_size for s in slots]
+        k_res, v_res = self.recent
+        if k_res.keys.dtype != exact[0].dtype:
+            exact = exact[0].to(k_res.keys.dtype), exact[1].to(k_res.keys.dtype)
+        rows = (k_res.take_rows(blocks, offsets), v_res.take_rows(blocks, offsets))
+        cpu_vllm_weave.store_rows(
+            flat, exact, pages, blocks, offsets, bases, layout, (k_res.keys, v_res.keys), rows
+        )
+        for residual, kept in zip(self.recent, rows, strict=True):
+            full = [
+                b for b, o, r in zip(blocks, offsets, kept, strict=True) if o == block_size - 1 and r >= 0
+            ]
+            if full:
+                residual.release(torch.tensor(full))
 
     def _weave_read(
         self, blocks: torch.Tensor, layout: WeaveSlot, ids: torch.Tensor, cached: int
@@ -1247,66 +1253,6 @@ class WeaveBases:
 
     def nbytes(self) -> int:
         return sum(entry.nbytes for entry in self.entries.values())
-
-
-def _encode_rows(bases: list[Basis], x: torch.Tensor) -> torch.Tensor:
-    """Row ``i`` of ``x: [R, H·D]`` on ``bases[i]`` (:meth:`Basis.encode` of each, batched) -> ``[R, r]``."""
-    mean = torch.stack([b.mean for b in bases])
-    rows = torch.stack([b.rows for b in bases]).float()  # [R, r, H·D]
-    scale = torch.stack([b.scale for b in bases])
-    return torch.bmm(rows, (x.float() - mean).unsqueeze(-1)).squeeze(-1) / scale
-
-
-def _decode_rows(bases: list[Basis], coords: torch.Tensor) -> torch.Tensor:
-    """Row ``i`` of ``coords: [R, r]`` through ``bases[i]`` (:meth:`Basis.decode` of each, batched)."""
-    rows = torch.stack([b.rows for b in bases]).float()
-    scale = torch.stack([b.scale for b in bases])
-    mean = torch.stack([b.mean for b in bases])
-    return torch.bmm((coords * scale).unsqueeze(1), rows).squeeze(1) + mean
-
-
-def _relative_error(stored: torch.Tensor, exact: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[n, H·D]`` rows -> ``[n, H]`` squared error over squared norm, per KV head."""
-    error = (stored - exact).view(exact.shape[0], heads, -1).pow(2).sum(-1)
-    return error / exact.view(exact.shape[0], heads, -1).pow(2).sum(-1).clamp(min=1e-12)
-
-
-def _keep_worst_exact(
-    pages: torch.Tensor,
-    layout: WeaveSlot,
-    blocks: torch.Tensor,
-    offsets: torch.Tensor,
-    error: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
-    """Per block and KV head, keep exact the ``layout.exact`` tokens with the largest error among those already
-    exact and the ones just written (``error: [N, H]``; ``keys, values: [N, H, D]`` exact). A block written
-    from its first slot starts with none; a token written again (vLLM recomputing a cached block's last token)
-    replaces its own entry."""
-    e, block_size = layout.exact, pages.shape[2]
-    touched, inverse = torch.unique(blocks, return_inverse=True)
-    u, heads = touched.shape[0], error.shape[1]
-    old_off, old_err, old_k, old_v = layout.read_exact(layout.tails(pages[touched]))  # [U, H, E(, D)]
-    fresh = torch.zeros(u, dtype=torch.bool).index_fill_(0, inverse[offsets == 0], True)
-    written = torch.zeros(u, block_size, dtype=torch.bool)
-    written[inverse, offsets] = True
-    rewritten = written.gather(1, old_off.clamp(min=0).flatten(1)).view_as(old_off)
-    old_err = old_err.masked_fill(fresh.view(-1, 1, 1) | rewritten | (old_off < 0), float("-inf"))
-    candidates = torch.full((u, heads, e + block_size), float("-inf"))
-    candidates[:, :, :e] = old_err
-    head = torch.arange(heads)
-    candidates[inverse.unsqueeze(1), head, (e + offsets).unsqueeze(1)] = error.float()
-    rows = torch.zeros(u, heads, e + block_size, 2, keys.shape[-1], dtype=torch.float16)
-    rows[:, :, :e, 0], rows[:, :, :e, 1] = old_k, old_v
-    rows[inverse.unsqueeze(1), head, (e + offsets).unsqueeze(1)] = torch.stack([keys, values], dim=2).half()
-    best_err, best = candidates.topk(e, dim=-1)  # [U, H, E]
-    from_old = best < e
-    offset = torch.where(from_old, old_off.gather(2, best.clamp(max=e - 1)), best - e)
-    offset = offset.masked_fill(best_err == float("-inf"), -1)
-    chosen = rows.gather(2, best[..., None, None].expand(-1, -1, -1, 2, keys.shape[-1]))
-    tails = layout.write_exact(offset, best_err, chosen[..., 0, :], chosen[..., 1, :])
-    pages[touched, :, :, layout.scale_end :] = tails
 
 
 def _rope_inv_freq(head_size: int) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import torch
 
@@ -495,6 +496,122 @@ class WeaveSlot:
         padded = torch.nn.functional.pad(data, (0, self.block_size * self.tail_bytes - self.exact_bytes))
         return padded.unflatten(-1, (self.block_size, self.tail_bytes))
 
+    def choose_blocks(
+        self,
+        queries: torch.Tensor,
+        pages: torch.Tensor,
+        ids: list[torch.Tensor],
+        cached: list[int],
+        decode_tokens: int,
+        sinks: int,
+    ) -> tuple[list[torch.Tensor | None], int]:
+        """Selective decode (``decode_tokens``): per decode row ``queries[r]: [H, g, D]`` (its request's blocks
+        ``ids[r]``, ``cached[r]`` stored tokens), the blocks it reads per KV head, ``[H, K]`` indices into
+        ``ids[r]``, sorted: the blocks holding the ``sinks``, the newest full block, the newest partial one, and
+        the ``decode_tokens / block_size`` other full blocks whose key bounds give the largest upper bound of
+        ``q·k`` over the head's query group (Quest's bound). ``None`` for a row with no more blocks than that:
+        it reads every block. The rows' bounds are scored together; also returns how many blocks' bounds were
+        scored per KV head. ``kvweave.kernels.cpu_vllm_weave.choose_rows`` is this in one C++ call."""
+        block_size, heads = pages.shape[2], queries.shape[1]
+        budget = max(1, decode_tokens // block_size)
+        sink_blocks = max(1, -(-sinks // block_size))
+        spans = []  # per row: (first candidate, end of candidates, held)
+        for row_ids, n in zip(ids, cached, strict=True):
+            full = n // block_size  # blocks with bounds; a partial newest block is read exact
+            first = min(sink_blocks, full)
+            spans.append((first, max(full - 1, first), row_ids.shape[0]))
+        choosing = [r for r, (first, end, _) in enumerate(spans) if end - first > budget]
+        out: list[torch.Tensor | None] = [None] * len(ids)
+        if not choosing:
+            return out, 0
+        width = max(spans[r][1] - spans[r][0] for r in choosing)
+        offset = torch.arange(width)
+        index = torch.stack(
+            [ids[r][(spans[r][0] + offset).clamp(max=spans[r][1] - 1)] for r in choosing]
+        )  # [C, width] block ids (a short row repeats its last candidate: masked below)
+        low, high = self.read_bounds(pages[index, :, self.bounds_slots, self.scale_end :])  # [C, w, H, D]
+        q = queries[choosing].float()  # [C, H, g, D]
+        bound = (q.clamp(min=0) @ high.permute(0, 2, 3, 1) + q.clamp(max=0) @ low.permute(0, 2, 3, 1)).amax(
+            2
+        )  # [C, H, w]
+        lengths = torch.tensor([spans[r][1] - spans[r][0] for r in choosing])
+        bound = bound.masked_fill((offset >= lengths.view(-1, 1)).unsqueeze(1), float("-inf"))
+        top = bound.topk(budget, dim=-1).indices  # [C, H, budget]
+        for i, r in enumerate(choosing):
+            first, end, held = spans[r]
+            fixed = torch.cat([torch.arange(first), torch.arange(end, held)])
+            chosen = torch.cat([fixed.expand(heads, -1), top[i] + first], dim=1)
+            out[r] = chosen.sort(dim=1).values
+        return out, int(lengths.sum())
+
+    def store(
+        self,
+        pages: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        flat: tuple[torch.Tensor, torch.Tensor],
+        exact: tuple[torch.Tensor, torch.Tensor],
+        coords: tuple[torch.Tensor, torch.Tensor],
+        decoders: tuple[Any, Any],
+    ) -> None:
+        """Write tokens into slots ``(blocks, offsets): [n]`` of ``pages: [NB, H, block_size, nbytes]``: their
+        coordinates ``coords`` packed, the blocks' worst represented tokens exact in the tails (the error of
+        ``decoders`` applied to the stored coordinates against ``flat``: pre-RoPE keys and values ``[n, H·D]``;
+        ``exact: [n, H, D]`` the tokens' exact rows). ``kvweave.kernels.cpu_vllm_weave.store_rows`` is this for
+        decode rows in one C++ call."""
+        packed = self.pack(*coords)  # [n, H, scale_end]
+        pages[blocks, :, offsets, : self.scale_end] = packed
+        if self.exact:
+            (k_decode, v_decode), (ck, cv), (k_pre, v_flat) = (
+                decoders,
+                self.unpack(packed.transpose(0, 1)),
+                flat,
+            )
+            error = relative_error(k_decode(ck), k_pre, self.heads) + relative_error(
+                v_decode(cv), v_flat, self.heads
+            )  # [n, H]: how badly the stored form represents each token
+            self.keep_worst_exact(pages, blocks, offsets, error, *exact)
+
+    def keep_worst_exact(
+        self,
+        pages: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        error: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Per block and KV head, keep exact the ``self.exact`` tokens with the largest error among those already
+        exact and the ones just written (``error: [N, H]``; ``keys, values: [N, H, D]`` exact). A block written
+        from its first slot starts with none; a token written again (vLLM recomputing a cached block's last token)
+        replaces its own entry."""
+        e, block_size = self.exact, pages.shape[2]
+        touched, inverse = torch.unique(blocks, return_inverse=True)
+        u, heads = touched.shape[0], error.shape[1]
+        old_off, old_err, old_k, old_v = self.read_exact(self.tails(pages[touched]))  # [U, H, E(, D)]
+        fresh = torch.zeros(u, dtype=torch.bool).index_fill_(0, inverse[offsets == 0], True)
+        written = torch.zeros(u, block_size, dtype=torch.bool)
+        written[inverse, offsets] = True
+        rewritten = written.gather(1, old_off.clamp(min=0).flatten(1)).view_as(old_off)
+        old_err = old_err.masked_fill(fresh.view(-1, 1, 1) | rewritten | (old_off < 0), float("-inf"))
+        candidates = torch.full((u, heads, e + block_size), float("-inf"))
+        candidates[:, :, :e] = old_err
+        head = torch.arange(heads)
+        candidates[inverse.unsqueeze(1), head, (e + offsets).unsqueeze(1)] = error.float()
+        rows = torch.zeros(u, heads, e + block_size, 2, keys.shape[-1], dtype=torch.float16)
+        rows[:, :, :e, 0], rows[:, :, :e, 1] = old_k, old_v
+        rows[inverse.unsqueeze(1), head, (e + offsets).unsqueeze(1)] = torch.stack(
+            [keys, values], dim=2
+        ).half()
+        best_err, best = candidates.topk(e, dim=-1)  # [U, H, E]
+        from_old = best < e
+        offset = torch.where(from_old, old_off.gather(2, best.clamp(max=e - 1)), best - e)
+        offset = offset.masked_fill(best_err == float("-inf"), -1)
+        chosen = rows.gather(2, best[..., None, None].expand(-1, -1, -1, 2, keys.shape[-1]))
+        chosen = chosen.masked_fill((best_err == float("-inf"))[..., None, None], 0.0)  # empty entries: zeros
+        tails = self.write_exact(offset, best_err, chosen[..., 0, :], chosen[..., 1, :])
+        pages[touched, :, :, self.scale_end :] = tails
+
 
 @dataclasses.dataclass
 class Basis:
@@ -532,6 +649,28 @@ class Basis:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.mean, self.rows, self.scale))
+
+
+def encode_rows(bases: list[Basis], x: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of ``x: [R, H·D]`` on ``bases[i]`` (:meth:`Basis.encode` of each, batched) -> ``[R, r]``."""
+    mean = torch.stack([b.mean for b in bases])
+    rows = torch.stack([b.rows for b in bases]).float()  # [R, r, H·D]
+    scale = torch.stack([b.scale for b in bases])
+    return torch.bmm(rows, (x.float() - mean).unsqueeze(-1)).squeeze(-1) / scale
+
+
+def decode_rows(bases: list[Basis], coords: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of ``coords: [R, r]`` through ``bases[i]`` (:meth:`Basis.decode` of each, batched)."""
+    rows = torch.stack([b.rows for b in bases]).float()
+    scale = torch.stack([b.scale for b in bases])
+    mean = torch.stack([b.mean for b in bases])
+    return torch.bmm((coords * scale).unsqueeze(1), rows).squeeze(1) + mean
+
+
+def relative_error(stored: torch.Tensor, exact: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[n, H·D]`` rows -> ``[n, H]`` squared error over squared norm, per KV head."""
+    error = (stored - exact).view(exact.shape[0], heads, -1).pow(2).sum(-1)
+    return error / exact.view(exact.shape[0], heads, -1).pow(2).sum(-1).clamp(min=1e-12)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
