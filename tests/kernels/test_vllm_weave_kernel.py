@@ -174,7 +174,10 @@ def test_store_rows_writes_what_the_torch_store_writes(bits: int, dtype: torch.d
     k_pre[3] *= 30  # far off its basis: an error above both old entries
     v_flat = torch.randn(5, HEADS * DIM, generator=generator)
     exact = (torch.randn(5, HEADS, DIM, generator=generator).to(dtype), torch.randn(5, HEADS, DIM).to(dtype))
-    residual = (torch.zeros(4, HEADS, BLOCK, DIM, dtype=dtype), torch.zeros(4, HEADS, BLOCK, DIM, dtype=dtype))
+    residual = (
+        torch.zeros(4, HEADS, BLOCK, DIM, dtype=dtype),
+        torch.zeros(4, HEADS, BLOCK, DIM, dtype=dtype),
+    )
     rows = ([0, 2, -1, 3, 1], [1, 3, -1, 0, 2])
     want, got = pages.clone(), pages.clone()
     cpu_vllm_weave.store_rows_reference(
@@ -222,7 +225,9 @@ def test_store_rows_writes_what_the_torch_store_writes(bits: int, dtype: torch.d
 
 
 @pytest.mark.parametrize("decode_tokens,sinks,group", [(48, 4, 7), (16, 0, 2), (32, 40, 1)])
-def test_choose_rows_picks_the_blocks_the_torch_choice_picks(decode_tokens: int, sinks: int, group: int) -> None:
+def test_choose_rows_picks_the_blocks_the_torch_choice_picks(
+    decode_tokens: int, sinks: int, group: int
+) -> None:
     """Selective decode's block choice in one call: per row and KV head the same blocks as
     ``WeaveSlot.choose_blocks`` (the sinks' blocks, the newest full and partial ones, the budget's best bounds),
     padded with -1 to the widest row; a row with no more candidates than the budget reads every block."""

@@ -298,6 +298,31 @@ HEADLINES: dict[str, Headline] = {
         for tokens in (2048, 4096)
         for rows in (1, 32)
     },
+    **{  # depthweave's selective decode (decode_tokens) beside reading every block (eighteenth session): v4
+        # rows with the store and block choice in torch, v5 rows with both in C++
+        f"vllm-stepw{version}-{short}-{tokens // 1024}k-r{rows}{suffix}": Headline(
+            f"docs/data/vllm/decode-step-weave-v{version}.jsonl",
+            method,
+            field,
+            fmt,
+            (("path", path), ("tokens", tokens), ("rows", rows)),
+            kvweave_spec=False,
+        )
+        for short, method, path in (
+            ("none", "none", "vllm"),
+            ("dw", "depthweave", "fused"),
+            ("dw512", "depthweave:decode_tokens=512", "fused"),
+            ("dw1024", "depthweave:decode_tokens=1024", "fused"),
+        )
+        for version in (4, 5)
+        for tokens in (2048, 4096, 8192)
+        for rows in (1, 32)
+        for suffix, field, fmt in (
+            ("", "ms_per_step", "{:.2f}" if rows == 1 else "{:.1f}"),
+            ("-vs", "vs_vllm", "{:.2f}x"),
+        )
+        if suffix == "" or short not in ("none", "dw")
+    },
     **{
         f"vllm-step-{short}-{tokens // 1024}k-r{rows}": Headline(
             f"docs/data/vllm/{rows_file}.jsonl",
@@ -363,9 +388,15 @@ HEADLINES: dict[str, Headline] = {
             scale=100,
             kvweave_spec=False,
         )
-        for short, method in (("none", "none"), ("dw", "depthweave"), ("q2", "quant:bits=2"))
+        for short, method in (
+            ("none", "none"),
+            ("dw", "depthweave"),
+            ("q2", "quant:bits=2"),
+            ("dw512", "depthweave:decode_tokens=512"),
+            ("dw1024", "depthweave:decode_tokens=1024"),
+        )
         for task_short, task in (("pk", "passkey"), ("mk", "niah_multikey"), ("mq", "niah_multiquery"))
-        if (short, task_short) != ("none", "pk")  # vLLM's own cache was not run on passkey here
+        if (short, task_short) not in (("none", "pk"), ("dw1024", "pk"))  # not run on passkey
     },
     **{
         f"dw-prefill-{context // 1024}k": Headline(
