@@ -275,6 +275,29 @@ HEADLINES: dict[str, Headline] = {
             ("c32k4t1024", "load-4k-1024-v8"),  # 4K prompts, 1,024 tokens: ~8 full-cache requests fit
         )
     },
+    **{  # 16 requests of 4K at once in a KV space that holds ~8 of vLLM's own, 256 tokens each: depthweave's
+        # selective decode beside vLLM's own cache and quant:bits=4 (eighteenth session)
+        f"vllm-{short}-c16k4t256-{field_short}": Headline(
+            "docs/data/vllm/load-4k-256-dw/rows.jsonl",
+            method,
+            field,
+            fmt,
+            (("concurrency", 16), ("kernel", kernel)),
+            kvweave_spec=False,
+        )
+        for short, method, kernel in (
+            ("none", "none", None),
+            ("q4", "quant:bits=4", "auto"),
+            ("dw512", "depthweave:decode_tokens=512", "auto"),
+        )
+        for field_short, field, fmt in (
+            ("tok-s", "output_tokens_per_s", "{:.2f}"),
+            ("running", "max_running", "{:.0f}"),
+            ("wall", "wall_s", "{:,.0f}"),
+            ("ttft", "ttft_median_s", "{:.0f}"),
+            ("tpot", "tpot_median_s", "{:.2f}"),
+        )
+    },
     **{  # depthweave's fused decode kernel beside its torch paths and vLLM's own (thirteenth session), and
         # again after the store of a step's decode rows was batched (fourteenth session, v2)
         f"{prefix}-{short}-{tokens // 1024}k-r{rows}": Headline(
