@@ -14,7 +14,8 @@ tokens/s, time per output token and time to first token against concurrency, per
 ``python benchmarks/vllm_load.py --table OUT`` prints them. Runs in the vLLM venv (``scripts/vllm_env.sh``):
 
     .venv-vllm/bin/python benchmarks/vllm_load.py --model ~/.cache/kvweave/models/qwen2.5-coder-0.5b \\
-        --methods none,quant:bits=4,quant:bits=2,pages --concurrency 1,4,16,32 --context 2048 --out runs/vllm-load
+        --methods none,quant:bits=4,quant:bits=2,pages,depthweave --concurrency 1,4,16,32 --context 2048 \\
+        --out runs/vllm-load
 
 Loopback only. On this project's 2-core CPU machines a point of a few dozen 2K-token requests takes minutes;
 set the thread limits first (``OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=1``, docs/vllm.md).
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="a local model folder")
-    parser.add_argument("--methods", default="none,quant:bits=4,quant:bits=2,pages",
+    parser.add_argument("--methods", default="none,quant:bits=4,quant:bits=2,pages,depthweave",
                         help="comma-separated: none (vLLM's own cache) or KVWEAVE_VLLM_METHOD specs")  # fmt: skip
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated in-flight limits")
     parser.add_argument(
