@@ -67,6 +67,7 @@ from kvweave.vllm.config import (
     QuantSlot,
     VllmMethod,
     WeaveSlot,
+    choice_span,
     decode_rows,
     encode_rows,
     rope_cos_sin,
@@ -635,9 +636,11 @@ class KvweaveAttentionImpl(AttentionImpl[KvweaveMetadata]):
             selected = cpu_vllm_weave.choose_rows(
                 queries, pages, table, lengths, layout, method.decode_tokens, method.sinks
             )
-            budget, sink_blocks = max(1, method.decode_tokens // block_size), -(-method.sinks // block_size)
-            spans = [(min(max(1, sink_blocks), n // block_size), n // block_size - 1) for n in lengths]
-            scored = sum(max(end, first) - first for first, end in spans if max(end, first) - first > budget)
+            budget = max(1, method.decode_tokens // block_size)
+            counts = [
+                end - first for first, end in (choice_span(n, block_size, method.sinks) for n in lengths)
+            ]
+            scored = sum(count for count in counts if count > budget)
             if scored:
                 _add_stats(summary_blocks_read=scored * heads)
         reads = []

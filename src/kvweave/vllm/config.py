@@ -514,12 +514,10 @@ class WeaveSlot:
         scored per KV head. ``kvweave.kernels.cpu_vllm_weave.choose_rows`` is this in one C++ call."""
         block_size, heads = pages.shape[2], queries.shape[1]
         budget = max(1, decode_tokens // block_size)
-        sink_blocks = max(1, -(-sinks // block_size))
-        spans = []  # per row: (first candidate, end of candidates, held)
-        for row_ids, n in zip(ids, cached, strict=True):
-            full = n // block_size  # blocks with bounds; a partial newest block is read exact
-            first = min(sink_blocks, full)
-            spans.append((first, max(full - 1, first), row_ids.shape[0]))
+        spans = [  # per row: (first candidate, end of candidates, held)
+            (*choice_span(n, block_size, sinks), row_ids.shape[0])
+            for row_ids, n in zip(ids, cached, strict=True)
+        ]
         choosing = [r for r, (first, end, _) in enumerate(spans) if end - first > budget]
         out: list[torch.Tensor | None] = [None] * len(ids)
         if not choosing:
@@ -649,6 +647,15 @@ class Basis:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.mean, self.rows, self.scale))
+
+
+def choice_span(cached: int, block_size: int, sinks: int) -> tuple[int, int]:
+    """Selective decode's candidates for a row of ``cached`` stored tokens: the blocks ``first .. end - 1``
+    between the blocks holding the ``sinks`` (always read) and the newest full block (always read; a partial
+    newest block is read exact)."""
+    full = cached // block_size  # blocks with bounds
+    first = min(max(1, -(-sinks // block_size)), full)
+    return first, max(full - 1, first)
 
 
 def encode_rows(bases: list[Basis], x: torch.Tensor) -> torch.Tensor:
