@@ -50,7 +50,7 @@ vllm-test:  ## kvweave's vLLM plugin (tests/vllm) in its own venv .venv-vllm (ab
 vllm-test-quick:  ## what CI runs of the vLLM tests: the tiny-model engine tests, not the real-model/HTTP ones (~2-3 min + install)
 	@$(MAKE) --no-print-directory vllm-test VLLM_TEST_ARGS='-m "not integration"'
 
-VLLM_BENCH_ARGS ?= --methods none,quant:bits=4,quant:bits=2,pages,depthweave --concurrency 1,4,16,32 --context 2048
+VLLM_BENCH_ARGS ?= --methods none,fp8,quant:bits=4,quant:bits=2,pages,depthweave --concurrency 1,4,16,32 --context 2048
 vllm-bench: models  ## vLLM under load: requests/s, TTFT and TPOT per method and concurrency on the real server (hours on 2 CPUs; resumes)
 	@bash scripts/vllm_env.sh
 	@if .venv-vllm/bin/python -c "import vllm, kvweave.vllm, openai" >/dev/null 2>&1; then \

@@ -43,7 +43,8 @@ def versions() -> dict[str, str]:
     try:
         import vllm
 
-        info["vllm"] = vllm.__version__
+        if getattr(vllm, "__version__", None):  # not a folder named vllm on sys.path (tests/vllm)
+            info["vllm"] = vllm.__version__
     except ImportError:
         pass
     info["cpus"] = str(os.cpu_count())

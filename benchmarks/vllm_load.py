@@ -1,6 +1,7 @@
 """vLLM under load: requests served at a fixed KV space, per method and concurrency, on the real OpenAI server.
 
-For each method (``none`` is vLLM's own cache; the others are ``KVWEAVE_VLLM_METHOD`` specs), this starts
+For each method (``none`` is vLLM's own cache, ``fp8`` / ``fp8_e4m3`` / ``fp8_e5m2`` the same cache stored in
+FP8 (vLLM's ``--kv-cache-dtype``); the others are ``KVWEAVE_VLLM_METHOD`` specs), this starts
 ``python -m kvweave.vllm serve`` on 127.0.0.1 with ``VLLM_CPU_KVCACHE_SPACE=--kv-space``, then for each
 concurrency sends ``--requests`` distinct passkey prompts (``kvweave eval``'s samples: question-agnostic, so
 every answer is scored too) through a bounded load generator: at most ``concurrency`` requests in flight, a fixed
@@ -8,13 +9,15 @@ number of requests, each streamed (time to first token, time per output token), 
 ``--time-cap`` seconds and every request has a timeout. While a point runs, vLLM's ``/metrics`` are polled once a
 second (queue length, KV-cache use) and read before and after (preemptions).
 
-One JSON row per (method, concurrency) is appended to ``--out``/rows.jsonl as it finishes; a rerun of the same
+A method whose server exits before it is healthy (vLLM's CPU backend refuses FP8 without AVX-512 or AMX, for
+instance) gets one row per concurrency with ``refused`` set to the error its log ends with, and the run goes on
+with the next method. One JSON row per (method, concurrency) is appended to ``--out``/rows.jsonl as it finishes; a rerun of the same
 command skips the rows already there (``--restart`` measures again). ``kvweave report OUT`` draws them (output
 tokens/s, time per output token and time to first token against concurrency, per method) and
 ``python benchmarks/vllm_load.py --table OUT`` prints them. Runs in the vLLM venv (``scripts/vllm_env.sh``):
 
     .venv-vllm/bin/python benchmarks/vllm_load.py --model ~/.cache/kvweave/models/qwen2.5-coder-0.5b \\
-        --methods none,quant:bits=4,quant:bits=2,pages,depthweave --concurrency 1,4,16,32 --context 2048 \\
+        --methods none,fp8,quant:bits=4,quant:bits=2,pages,depthweave --concurrency 1,4,16,32 --context 2048 \\
         --out runs/vllm-load
 
 Loopback only. On this project's 2-core CPU machines a point of a few dozen 2K-token requests takes minutes;
@@ -45,6 +48,15 @@ METRICS = (
     "vllm:num_preemptions",  # the same counter, where a client library exposes it without the suffix
 )
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+OWN_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""Method names that run vLLM's own cache with this ``--kv-cache-dtype`` (``none`` is its default, ``auto``)."""
+
+
+def own_cache_dtype(method: str) -> str | None:
+    """The ``--kv-cache-dtype`` of vLLM's own cache that ``method`` names, or None for a kvweave method."""
+    if method == "none":
+        return "auto"
+    return method if method in OWN_DTYPES else None
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -106,13 +118,23 @@ def _round(value: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------ the server
 
 
-def start_server(args: argparse.Namespace, method: str, log_path: Path) -> subprocess.Popen[bytes]:
+def server_command(args: argparse.Namespace, method: str) -> list[str]:
+    """``python -m kvweave.vllm serve ...`` for ``method`` (vLLM's own cache at its ``--kv-cache-dtype`` for
+    ``none`` and the FP8 names)."""
+    own = own_cache_dtype(method)
     command = [
-        sys.executable, "-m", "kvweave.vllm", "serve", "--method", method, args.model,
+        sys.executable, "-m", "kvweave.vllm", "serve", "--method", "none" if own else method, args.model,
         "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", str(args.max_model_len),
         "--enforce-eager", "--dtype", args.dtype, "--served-model-name", "kvweave",
         "--max-num-seqs", str(max(args.concurrency)),
     ] + ([] if args.prefix_caching else ["--no-enable-prefix-caching"])  # fmt: skip
+    if own and own != "auto":
+        command += ["--kv-cache-dtype", own]
+    return command
+
+
+def start_server(args: argparse.Namespace, method: str, log_path: Path) -> subprocess.Popen[bytes]:
+    command = server_command(args, method)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)}
     log = log_path.open("w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -133,6 +155,15 @@ def read_metrics(port: int) -> dict[str, float]:
             return parse_metrics(reply.read().decode())
     except OSError:
         return {}
+
+
+def start_error(log_path: Path) -> str:
+    """Why a server exited before it was healthy: the last error line of its log (a traceback ends with it)."""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "Exception" in line:
+            return line[-300:]
+    return lines[-1][-300:] if lines else "the server exited with an empty log"
 
 
 def kv_tokens(log_path: Path) -> int | None:
@@ -268,6 +299,17 @@ def load_samples(args: argparse.Namespace, count: int, offset: int) -> list[tupl
     return out
 
 
+def refused_row(args: argparse.Namespace, method: str, concurrency: int, reason: str) -> dict[str, Any]:
+    """The row of a point whose server never became healthy: the setting, and why (no figures)."""
+    from vllm_bench import versions
+
+    return {
+        "kind": "vllm_load", "method": method, "concurrency": concurrency, "model": args.model,
+        "context": args.context, "max_tokens": args.tokens, "dtype": args.dtype, "kv_space_gib": args.kv_space,
+        "refused": reason, "versions": versions(), "time": time.strftime("%F %T"), "kernel": None,
+    }  # fmt: skip
+
+
 def done_rows(path: Path) -> set[tuple[str, int]]:
     if not path.exists():
         return set()
@@ -289,6 +331,9 @@ def table(folder: Path) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in sorted(rows, key=lambda r: (r["method"], r["concurrency"])):
+        if r.get("refused"):
+            lines.append(f"| `{r['method']}` | {r['concurrency']} | refused at start-up: {r['refused']} |")
+            continue
         lines.append(
             f"| `{r['method']}` | {r['concurrency']} | {r.get('kv_tokens') or '?'} | {r['requests_per_s']} | "
             f"{r['output_tokens_per_s']} | {r['ttft_median_s']} / {r['ttft_p99_s']} | "
@@ -303,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="a local model folder")
-    parser.add_argument("--methods", default="none,quant:bits=4,quant:bits=2,pages,depthweave",
-                        help="comma-separated: none (vLLM's own cache) or KVWEAVE_VLLM_METHOD specs")  # fmt: skip
+    parser.add_argument("--methods", default="none,fp8,quant:bits=4,quant:bits=2,pages,depthweave",
+                        help="comma-separated: none (vLLM's own cache), fp8 / fp8_e4m3 / fp8_e5m2 (vLLM's own "
+                        "cache in FP8, where its backend takes it) or KVWEAVE_VLLM_METHOD specs")  # fmt: skip
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated in-flight limits")
     parser.add_argument(
         "--requests", type=int, default=0, help="requests per point (default 2 x concurrency, >= 4)"
@@ -360,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     args.max_model_len = args.max_model_len or args.context + args.tokens + 256
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:  # a bad spec fails before any server starts
-        if method != "none":
+        if own_cache_dtype(method) is None:
             from kvweave.vllm.config import VllmMethod
 
             VllmMethod.parse(method)
@@ -370,7 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     done = set() if args.restart else done_rows(rows_path)
     with (out / "command.txt").open("a") as handle:
         handle.write(" ".join(sys.argv) + "\n")
-    from openai import OpenAI
     from vllm_bench import versions, wait_healthy
 
     for method in methods:
@@ -381,7 +426,19 @@ def main(argv: list[str] | None = None) -> int:
         log_path = out / f"server-{method.replace(':', '_').replace(',', '_').replace('=', '')}.log"
         server = start_server(args, method, log_path)
         try:
-            wait_healthy(args.port, server, args.start_timeout)
+            try:
+                wait_healthy(args.port, server, args.start_timeout)
+            except RuntimeError:
+                if server.poll() is None:  # not healthy in time but still running: a fault, not a refusal
+                    raise
+                reason = start_error(log_path)
+                print(f"{method}: the server exited before it was healthy: {reason} ({log_path})", flush=True)
+                with rows_path.open("a") as handle:
+                    for c in todo:
+                        handle.write(json.dumps(refused_row(args, method, c, reason)) + "\n")
+                continue
+            from openai import OpenAI
+
             client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="local", max_retries=0)
             capacity = kv_tokens(log_path)
             for c in todo:
@@ -397,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     "max_model_len": args.max_model_len,
                     "kv_tokens": capacity, **point, "versions": versions(), "time": time.strftime("%F %T"),
                     # the decode kernel kvweave's quant ran (KVWEAVE_VLLM_KERNEL: auto = fused C++, torch)
-                    "kernel": None if method == "none" else os.environ.get("KVWEAVE_VLLM_KERNEL", "auto"),
+                    "kernel": None if own_cache_dtype(method) else os.environ.get("KVWEAVE_VLLM_KERNEL", "auto"),
                 }  # fmt: skip
                 with rows_path.open("a") as handle:
                     handle.write(json.dumps(row) + "\n")

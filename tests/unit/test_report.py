@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -959,22 +960,29 @@ def test_serving_rows_are_reported(tmp_path: Path) -> None:
         for c in (1, 4, 32)
     ]
     rows.append({"kind": "vllm_load", "method": "none", "concurrency": 16})  # incomplete: not reported
+    refusal = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    rows.append({**_serving_row("fp8", 1, 0.0), "refused": refusal})  # in the table, not drawn
+    for field in ("requests", "completed", "failed", "output_tokens_per_s", "tpot_median_s", "ttft_median_s"):
+        del rows[-1][field]
     (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "command.txt").write_text("benchmarks/vllm_load.py --methods none,quant:bits=4 --out x\n")
     html_path, md_path = tmp_path / "r.html", tmp_path / "s.md"
     runs = write_report([folder], html_path, markdown=md_path)
-    assert len(runs[0].serving) == 9 and not runs[0].rows
+    assert len(runs[0].serving) == 10 and not runs[0].rows
     html = html_path.read_text()
     assert 'id="serving"' in html and 'id="overview"' not in html
     assert html.count("<svg") == 3 and html.count("<polyline") >= 9  # 3 charts x 3 series, each a line
     assert "output tokens / s vs concurrency" in html and "quant:bits=4 (kernel torch)" in html
+    charts = "".join(re.findall(r"<svg.*?</svg>", html, flags=re.S))
+    assert "fp8" not in charts and f"refused at start-up: {refusal}" in html  # no series for a refused point
     md = md_path.read_text()
+    assert f"| `fp8` | - | 1 | refused at start-up: {refusal} | - |" in md
     assert (
-        "9 serving rows" in md
+        "10 serving rows" in md
         and "```sh\nbenchmarks/vllm_load.py --methods none,quant:bits=4 --out x\n```" in md
     )
     assert "| `none` | - | 32 | 7 / 8 (1 failed) |" in md
     assert "| `quant:bits=4` | torch | 1 | 8 / 8 | 1.333 |" in md
     # vLLM's own cache first, then the methods, each by concurrency
     order = [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| `")]
-    assert order[:3] == ["`none`"] * 3 and order[3:] == ["`quant:bits=4`"] * 6
+    assert order[:3] == ["`none`"] * 3 and order[3] == "`fp8`" and order[4:] == ["`quant:bits=4`"] * 6

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +73,40 @@ def test_bad_arguments_fail_before_any_server_starts(tmp_path, capsys):
     assert "--concurrency" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pages"):
         vllm_load.main(["--model", "m", "--out", str(tmp_path), "--methods", "dkcache"])
+
+
+def test_fp8_names_serve_vllms_own_cache_at_that_dtype():
+    args = argparse.Namespace(
+        model="m", port=8766, max_model_len=2316, dtype="float32", concurrency=[1, 4], prefix_caching=False
+    )
+    fp8 = vllm_load.server_command(args, "fp8_e5m2")
+    assert fp8[fp8.index("--method") + 1] == "none" and fp8[-2:] == ["--kv-cache-dtype", "fp8_e5m2"]
+    own = vllm_load.server_command(args, "none")
+    assert "--kv-cache-dtype" not in own and own[own.index("--method") + 1] == "none"
+    quant = vllm_load.server_command(args, "quant:bits=4")
+    assert quant[quant.index("--method") + 1] == "quant:bits=4" and "--kv-cache-dtype" not in quant
+
+
+def test_a_server_that_exits_at_start_up_is_a_refused_row_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """One row per concurrency naming the log's error; the next method still runs; a rerun skips them."""
+    started = []
+    error = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+
+    def exits_at_start(args, method, log_path):
+        started.append(method)
+        log_path.write_text(
+            f"INFO starting\nTraceback (most recent call last):\n  File x\n{error}\nINFO bye\n"
+        )
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+
+    monkeypatch.setattr(vllm_load, "start_server", exits_at_start)
+    argv = ["--model", "m", "--out", str(tmp_path), "--methods", "fp8,fp8_e5m2", "--concurrency", "1,4"]
+    assert vllm_load.main(argv + ["--port", "8799"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [
+        ("fp8", 1), ("fp8", 4), ("fp8_e5m2", 1), ("fp8_e5m2", 4)
+    ]  # fmt: skip
+    assert all(r["refused"] == error and "requests" not in r for r in rows)
+    printed = capsys.readouterr().out
+    assert f"| `fp8` | 4 | refused at start-up: {error} |" in printed
+    assert vllm_load.main(argv + ["--port", "8799"]) == 0 and started == ["fp8", "fp8_e5m2"]

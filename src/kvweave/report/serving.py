@@ -58,11 +58,16 @@ SERVING_INTRO = (
 
 
 def serving_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``vllm_load`` rows that have the fields the report needs."""
+    """The ``vllm_load`` rows that have the fields the report needs, and those of points whose server refused to
+    start (``refused``: the reason; shown in the table, not drawn)."""
     return [
         r
         for r in rows
-        if r.get("kind") == SERVING_KIND and all(r.get(k) is not None for k in SERVING_REQUIRED)
+        if r.get("kind") == SERVING_KIND
+        and (
+            all(r.get(k) is not None for k in SERVING_REQUIRED)
+            or (r.get("refused") and r.get("method") is not None and r.get("concurrency") is not None)
+        )
     ]
 
 
@@ -111,8 +116,8 @@ def _method_order(name: str) -> tuple[int, str]:
 
 
 def methods(rows: Iterable[dict[str, Any]]) -> list[str]:
-    """The series of ``rows``: vLLM's own cache first."""
-    return sorted({series_name(r) for r in rows}, key=_method_order)
+    """The series of ``rows`` that have figures (not refused at start-up): vLLM's own cache first."""
+    return sorted({series_name(r) for r in rows if not r.get("refused")}, key=_method_order)
 
 
 def _num(value: Any, pattern: str) -> str:
@@ -121,6 +126,13 @@ def _num(value: Any, pattern: str) -> str:
 
 def serving_cells(row: dict[str, Any]) -> list[str]:
     """One table line of a serving row."""
+    if row.get("refused"):
+        return [
+            f"`{row['method']}`",
+            "-",
+            str(row["concurrency"]),
+            f"refused at start-up: {row['refused']}",
+        ] + ["-"] * (len(SERVING_HEADER) - 4)
     failed = int(row.get("failed") or 0)
     return [
         f"`{row['method']}`",
@@ -141,7 +153,11 @@ def _series(rows: list[dict[str, Any]], metric: str, colors: dict[str, str]) -> 
     return [
         svg.Series(
             method,
-            [(float(r["concurrency"]), float(r[metric])) for r in rows if series_name(r) == method],
+            [
+                (float(r["concurrency"]), float(r[metric]))
+                for r in rows
+                if series_name(r) == method and r.get(metric) is not None
+            ],
             color=colors.get(method, ""),
         )
         for method in methods(rows)
