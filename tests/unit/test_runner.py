@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvweave.eval import runner
 from kvweave.eval import tasks as task_lib
@@ -442,3 +443,31 @@ def test_old_rows_read_with_the_defaults_they_measured() -> None:
     explicit = canonical_spec("depthweave:recent_share=0.0", {**options, "recent_share": 0.0}, version=4)
     assert explicit == "depthweave:recent_share=0.0"
     assert canonical_spec("depthweave", {**options, "protect": 0.0}, version=3) == "depthweave:protect=0.0"
+
+
+@pytest.mark.parametrize("method", ["full", "depthweave:recent=16"])
+def test_feeding_through_the_decoder_alone_leaves_the_cache_a_full_forward_would(method: str) -> None:
+    """The filler's passes skip the language-model head (nothing reads their logits): the cache, and so the
+    next step's logits, are exactly those of full forward passes."""
+    import kvweave
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    prompt = (torch.arange(200) * 7 % 150 + 3).view(1, -1)
+    filler = [(11 * i) % 150 + 3 for i in range(64)]  # past recent + block: folded during the feed
+    logits = []
+    for through_decoder in (True, False):
+        cache = kvweave.make_cache(method, model)
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+            if through_decoder:
+                runner.feed_generated(model, cache, filler, prompt.shape[1])
+            else:
+                for index, token in enumerate(filler):
+                    position = torch.tensor([[prompt.shape[1] + index]])
+                    model(torch.tensor([[token]]), position_ids=position, past_key_values=cache, use_cache=True)
+            position = torch.tensor([[prompt.shape[1] + len(filler)]])
+            out = model(torch.tensor([[7]]), position_ids=position, past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+        assert cache.get_seq_length() == prompt.shape[1] + len(filler) + 1
+    assert torch.equal(logits[0], logits[1])
