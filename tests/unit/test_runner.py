@@ -465,7 +465,9 @@ def test_feeding_through_the_decoder_alone_leaves_the_cache_a_full_forward_would
             else:
                 for index, token in enumerate(filler):
                     position = torch.tensor([[prompt.shape[1] + index]])
-                    model(torch.tensor([[token]]), position_ids=position, past_key_values=cache, use_cache=True)
+                    model(
+                        torch.tensor([[token]]), position_ids=position, past_key_values=cache, use_cache=True
+                    )
             position = torch.tensor([[prompt.shape[1] + len(filler)]])
             out = model(torch.tensor([[7]]), position_ids=position, past_key_values=cache, use_cache=True)
         logits.append(out.logits)
