@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         "question, so the facts age in the cache (and pass through decode-time compression) while N tokens "
         "arrive; rows report the task as '<task> +N gen' (default 0)",
     )
+    p.add_argument(
+        "--batch",
+        type=_count,
+        default=1,
+        help="with --generated: run up to N trials of a method as one batch (prefill and filler together, each "
+        "row then answers alone); a decode step reads the weights once for the batch, so a long-generation "
+        "run takes a fraction of the time, and each row is its trial alone but for floating-point rounding "
+        "(rows carry batch and padding; their prefill_s and generated_s are the batch's) (default 1)",
+    )
     p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
     p.add_argument(
         "--no-shared-prefill",

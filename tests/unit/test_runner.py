@@ -473,3 +473,71 @@ def test_feeding_through_the_decoder_alone_leaves_the_cache_a_full_forward_would
         logits.append(out.logits)
         assert cache.get_seq_length() == prompt.shape[1] + len(filler) + 1
     assert torch.equal(logits[0], logits[1])
+
+
+class AsciiTokenizer:
+    """One token per printable character (ids 3..98), newline 99; 0 pads, 1 ends: fits a tiny model's vocab."""
+
+    chat_template = None
+    pad_token_id, eos_token_id = 0, 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [99 if c == "\n" else 3 + (ord(c) - 32) % 96 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join("\n" if i == 99 else chr(32 + i - 3) if 3 <= i < 99 else "" for i in ids)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+
+@pytest.mark.parametrize(
+    "method", ["full", "depthweave:recent=16", "quant:residual=16", "snapkv", "h2o", "dkcache"]
+)
+def test_a_batch_of_long_generation_trials_gives_each_trials_own_row(
+    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--batch``: trials prefilled and fed together (left-padded), each answering alone, write the rows the
+    trials write one at a time: the same answers, the same bytes but for the padding slots a row holds."""
+    from conftest import tiny_model
+
+    build = runner.build_prompt
+
+    def uneven(tokenizer: Any, sample: task_lib.Sample, question_aware: bool) -> tuple[list[int], list[int]]:
+        prefill, full = build(tokenizer, sample, question_aware)  # prompts of 320, 325 and 330 tokens
+        lead = [5] * (5 * (sample.seed % 3))
+        return lead + prefill, lead + full
+
+    monkeypatch.setattr(runner, "build_prompt", uneven)
+    model, tokenizer = tiny_model("llama"), AsciiTokenizer()
+    fields = dict(model="tiny", tasks=["passkey"], contexts=[320], methods=[method], trials=3, generated=40)
+    fields["max_new_tokens"] = 5
+    alone = runner.run(runner.EvalConfig(**fields), progress=False, model_and_tokenizer=(model, tokenizer))
+    batch = runner.EvalConfig(**{**fields, "batch": 3})
+    together = runner.run(batch, out_dir=tmp_path, progress=False, model_and_tokenizer=(model, tokenizer))
+    assert [r["key"] for r in together] == [r["key"] for r in alone]
+    assert {r["batch"] for r in together} == {3} and max(r["padding"] for r in together) > 0
+    for one, many in zip(alone, together, strict=True):
+        assert many["prediction"] == one["prediction"] and many["score"] == one["score"]
+        assert many["prompt_tokens"] == one["prompt_tokens"] and "batch" not in one
+        assert many["full_kv_bytes"] == pytest.approx(one["full_kv_bytes"], rel=1e-6)
+        # never fewer bytes than alone: the same where the method lays rows out alone (depthweave), a little more
+        # where a row keeps the batch's layout (padding slots, quant's exact tail sized for the widest row)
+        assert one["kv_bytes"] <= many["kv_bytes"] <= 1.25 * one["kv_bytes"]
+        if method.startswith("depthweave"):
+            assert many["kv_bytes"] == one["kv_bytes"]
+
+
+def test_batch_needs_a_long_generation_and_groups_trials_that_share_a_method() -> None:
+    with pytest.raises(ValueError, match="--batch .* needs --generated"):
+        small_config(batch=2)
+    with pytest.raises(ValueError, match="--batch must be at least 1"):
+        small_config(batch=0, generated=8)
+    config = small_config(generated=8, trials=3, methods=["full", "quant"], tasks=["passkey"], contexts=[128])
+    groups = runner.batches(runner.plan(config), 2)  # sample-major: full 0, quant 0, full 1, quant 1, ...
+    assert [[(t.method, t.trial) for t in g] for g in groups] == [
+        [("full", 0), ("full", 1)],
+        [("quant", 0), ("quant", 1)],
+        [("full", 2)],
+        [("quant", 2)],
+    ]

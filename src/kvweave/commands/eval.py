@@ -27,6 +27,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         tp=args.tp,
         generated=args.generated,
+        batch=args.batch,
     )
     from kvweave.distributed import is_main_process
     from kvweave.launch import launch, needs_launch

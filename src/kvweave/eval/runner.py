@@ -18,6 +18,7 @@ and a row's bytes and peak memory are summed over the ranks (its ``tp`` field sa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -69,6 +70,9 @@ class EvalConfig:
     order: str = (
         "sample"  # "sample": every method on one sample, then the next; "method": one method at a time
     )
+    # long generation: up to this many trials of one method (same task and length) as the rows of one batch —
+    # prefill and filler together (left-padded), then each row answers alone (:func:`run_batch`)
+    batch: int = 1
 
     def __post_init__(self) -> None:
         if self.order not in ("sample", "method"):
@@ -79,6 +83,17 @@ class EvalConfig:
             raise ValueError(f"--tp must be at least 1, got {self.tp}")
         if self.generated < 0:
             raise ValueError(f"--generated must be 0 or more tokens, got {self.generated}")
+        if self.batch < 1:
+            raise ValueError(f"--batch must be at least 1, got {self.batch}")
+        if self.batch > 1 and not self.generated:
+            raise ValueError(
+                "--batch runs the trials of a long generation together (their thousands of filler steps); "
+                "it needs --generated N"
+            )
+        if self.batch > 1 and self.tp > 1:
+            raise ValueError(
+                "--batch is not supported with --tp: run one trial at a time under tensor parallelism"
+            )
         if self.generated and self.question_aware:
             raise ValueError(
                 "--generated feeds tokens between the document and the question, and --question-aware puts the "
@@ -225,6 +240,41 @@ def feed_generated(
     return time.perf_counter() - start
 
 
+def feed_generated_rows(
+    model: Any,
+    cache: Any,
+    fillers: list[list[int]],
+    firsts: list[int],
+    mask: torch.Tensor,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[float, torch.Tensor]:
+    """:func:`feed_generated` for the rows of a left-padded batch: step ``i`` feeds ``fillers[b][i]`` at
+    position ``firsts[b] + i`` of every row ``b`` (fillers of one length); ``mask: [B, T]`` is the attention
+    mask of what the cache holds, returned grown by the fed tokens with the seconds it took."""
+    decoder = getattr(model, "base_model", None)
+    forward = decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else model
+    kw = cache_kwarg(forward)
+    device = next(model.parameters()).device
+    tokens = torch.tensor(fillers, device=device)  # [B, N]
+    first = torch.tensor(firsts, device=device).view(-1, 1)
+    mask = mask.to(device)
+    one = torch.ones(len(fillers), 1, dtype=mask.dtype, device=device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for index in range(tokens.shape[1]):
+            mask = torch.cat([mask, one], dim=1)
+            forward(
+                tokens[:, index : index + 1],
+                attention_mask=mask,
+                position_ids=first + index,
+                use_cache=True,
+                **{kw: cache},
+            )
+            if progress is not None and ((index + 1) % GENERATED_EVERY == 0 or index + 1 == tokens.shape[1]):
+                progress(index + 1, tokens.shape[1])
+    return time.perf_counter() - start, mask
+
+
 # ----------------------------------------------------------------------------------------- one trial
 
 
@@ -348,7 +398,6 @@ def run_trial(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Prefill, compress, answer; one result row. ``progress``: see :func:`feed_generated` (``--generated``)."""
-    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     prefill_ids, full_ids = build_prompt(tokenizer, sample, config.question_aware)
     filler = generated_filler(tokenizer, trial.generated, trial.seed)
@@ -368,16 +417,53 @@ def run_trial(
     # the whole cache: under tensor parallelism summed over the ranks
     held_after_prefill = summed_nbytes(cache)
     generated_s = feed_generated(model, cache, filler, len(prefill_ids), progress) if filler else 0.0
+    timing = {"prefill_s": prefill_s, "generated_s": generated_s, "shared_prefill": replayed}
+    return answer(
+        model,
+        tokenizer,
+        config,
+        trial,
+        sample,
+        cache,
+        prefill_ids,
+        full_ids,
+        timing,
+        held_after_prefill,
+        peak,
+    )
 
+
+def answer(
+    model: Any,
+    tokenizer: Any,
+    config: EvalConfig,
+    trial: Trial,
+    sample: task_lib.Sample,
+    cache: Any,
+    prefill_ids: list[int],
+    full_ids: list[int],
+    timing: dict[str, Any],
+    held_before: int,
+    peak: PeakMemory,
+    padding: int = 0,
+) -> dict[str, Any]:
+    """Feed the question to ``cache`` (which holds the prompt's first ``len(full_ids) - len(question)`` tokens,
+    after ``padding`` left-padding slots), generate the answer, score it; the trial's row."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    kw = cache_kwarg(model)
     spec = task_lib.TASKS[trial.task]
     max_new = config.max_new_tokens or spec.max_new_tokens
     clock = _StepClock()
-    full = torch.tensor([full_ids])
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    full = torch.tensor([[pad_id or 0] * padding + full_ids])
+    mask = torch.ones_like(full)
+    mask[:, :padding] = 0
     stopping = StoppingCriteriaList([FirstLineDone(tokenizer, full.shape[1])] if spec.stop_after_line else [])
     with torch.no_grad():
         out = model.generate(
             full,
-            attention_mask=torch.ones_like(full),
+            attention_mask=mask,
             max_new_tokens=max_new,
             do_sample=False,
             logits_processor=LogitsProcessorList([clock]),
@@ -389,8 +475,10 @@ def run_trial(
     prediction = tokenizer.decode(new_ids, skip_special_tokens=True)
     steps = len(clock.times) - 1
     decode_s = clock.times[-1] - clock.times[0] if steps > 0 else float("nan")
-    held = max(held_after_prefill, summed_nbytes(cache))
+    held = max(held_before, summed_nbytes(cache))
     full_bytes = summed_full_kv_bytes(cache, bits=16)
+    if padding:  # the reference is the row's own tokens; its held bytes keep whatever the batch left in it
+        full_bytes -= full_bytes * padding // max(cache.get_seq_length(), 1)
     peak_bytes = peak.read()
     if cache.tp is not None and peak_bytes is not None:  # every rank's process holds its share
         peak_bytes = cache.tp.sum(peak_bytes)
@@ -417,10 +505,10 @@ def run_trial(
         "kv_bytes": held,
         "full_kv_bytes": full_bytes,
         "compression": full_bytes / held if held else None,
-        "prefill_s": round(prefill_s, 4),
+        "prefill_s": round(timing["prefill_s"], 4),
         "generated": trial.generated,
-        "generated_s": round(generated_s, 3),
-        "shared_prefill": replayed,
+        "generated_s": round(timing["generated_s"], 3),
+        "shared_prefill": timing["shared_prefill"],
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
         "attended": attended_entries(cache),
@@ -430,7 +518,93 @@ def run_trial(
     }
     if cache.tp is not None:
         row["tp"] = cache.tp.size
+    if timing.get("batch", 1) > 1:  # prefill_s, generated_s and the peak are the batch's, not this row's
+        row.update(batch=timing["batch"], padding=padding)
+        row["peak_memory_kind"] = f"{peak.kind}_of_the_batch"
     return row
+
+
+def run_batch(
+    model: Any,
+    tokenizer: Any,
+    config: EvalConfig,
+    trials: list[Trial],
+    samples: list[task_lib.Sample],
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Long-generation trials of one method, task and length as the rows of one batch: their prompts prefilled
+    together (left-padded, each row at its own positions), every filler fed in the same decode steps, then each
+    row taken out of the batch (``batch_select_indices`` on a copy) to answer its own question alone — the
+    questions differ in length. Every method keeps its batch rows apart (the contract tests' batch rows equal
+    single runs), so a row is the trial run alone but for floating-point rounding; the decode steps that
+    dominate a long generation read the weights once for the batch. Rows carry ``batch`` and ``padding``;
+    their ``prefill_s``, ``generated_s`` and peak memory are the batch's. A row's ``kv_bytes`` are what its
+    copy holds, layout the batch left included (``quant``'s exact tail and block slots span the batch's rows,
+    so its batched rows hold up to a group of tokens more than alone); ``full_kv_bytes`` counts its own tokens:
+    a batched row never claims more compression than the trial alone."""
+    method = trials[0].method
+    if any((t.method, t.task, t.context, t.generated) != (method, trials[0].task, trials[0].context,
+                                                          trials[0].generated) for t in trials):  # fmt: skip
+        raise ValueError("run_batch: the trials of a batch share their method, task, length and --generated")
+    prompts = [build_prompt(tokenizer, sample, config.question_aware) for sample in samples]
+    fillers = [generated_filler(tokenizer, t.generated, t.seed) for t in trials]
+    prefills = [prefill for prefill, _ in prompts]
+    fulls = [p + f + full[len(p) :] for (p, full), f in zip(prompts, fillers, strict=True)]
+    for full_ids in fulls:
+        check_length(model, len(full_ids), config.beyond_trained)
+    width = max(len(p) for p in prefills)
+    pads = [width - len(p) for p in prefills]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    ids = torch.tensor(
+        [[pad_id or 0] * pad + p for pad, p in zip(pads, prefills, strict=True)], device=device
+    )
+    mask = (torch.arange(width).view(1, -1) >= torch.tensor(pads).view(-1, 1)).long()
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() numbers a padded batch
+    peak = PeakMemory(device)
+    cache = make_cache(method, model, tokenizer=tokenizer)
+    kw = cache_kwarg(model)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(
+            ids,
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{kw: cache},
+        )
+    prefill_s = time.perf_counter() - start
+    # each row's bytes after the prefill, as run_trial takes them (a row's held bytes: the larger of these and
+    # its bytes after the answer)
+    held_after_prefill = [summed_nbytes(row_of(cache, b)) for b in range(len(trials))]
+    firsts = [len(p) for p in prefills]
+    generated_s, _ = feed_generated_rows(model, cache, fillers, firsts, mask, progress)
+    timing = {
+        "prefill_s": prefill_s,
+        "generated_s": generated_s,
+        "shared_prefill": False,
+        "batch": len(trials),
+    }
+    rows = []
+    for b, (trial, sample) in enumerate(zip(trials, samples, strict=True)):
+        own = row_of(cache, b, last=b == len(trials) - 1)
+        row = answer(
+            model, tokenizer, config, trial, sample, own, prefills[b], fulls[b], timing, held_after_prefill[b],
+            peak, pads[b],
+        )  # fmt: skip
+        rows.append(row)
+        del own
+    return rows
+
+
+def row_of(cache: Any, row: int, last: bool = False) -> Any:
+    """Batch row ``row`` of ``cache`` as a cache of its own: a copy (``last``: the cache itself, its other rows
+    dropped) that shares the model's rotary modules and the tokenizer with it, and no state."""
+    shared: list[Any] = [cache.context.tokenizer, *(r.rotary_emb for r in cache.rotary.values())]
+    own = cache if last else copy.deepcopy(cache, memo={id(obj): obj for obj in shared if obj is not None})
+    own.batch_select_indices(torch.tensor([row]))
+    return own
 
 
 def attended_entries(cache: Any) -> float | None:
@@ -521,6 +695,23 @@ def check_resumable(rows_path: Path, todo: list[Trial], config: EvalConfig) -> N
             )
 
 
+def batches(todo: list[Trial], size: int) -> list[list[Trial]]:
+    """``todo`` in groups of at most ``size`` trials that can share a batch (:func:`run_batch`: one method,
+    task, length and ``generated``), each group where its first trial was, in the order of ``todo``."""
+    if size <= 1:
+        return [[trial] for trial in todo]
+    open_groups: dict[tuple[str, str, int, int], list[Trial]] = {}
+    groups: list[list[Trial]] = []
+    for trial in todo:
+        key = (trial.method, trial.task, trial.context, trial.generated)
+        group = open_groups.get(key)
+        if group is None or len(group) == size:
+            group = open_groups[key] = []
+            groups.append(group)
+        group.append(trial)
+    return groups
+
+
 def run(
     config: EvalConfig,
     out_dir: Path | None = None,
@@ -561,38 +752,57 @@ def run(
     rows: list[dict[str, Any]] = []
     samples: dict[tuple[str, int, int], task_lib.Sample] = {}
     shared = SharedPrefill(shared_bytes) if config.shared_prefill else None
-    bar = tqdm(todo, desc="eval", unit="trial", disable=not (progress and writer), dynamic_ncols=True)
-    for trial in bar:
-        bar.set_postfix_str(f"{trial.method} {trial.task} {trial.context}")
+    bar = tqdm(
+        total=len(todo), desc="eval", unit="trial", disable=not (progress and writer), dynamic_ncols=True
+    )
+    for group in batches(todo, config.batch):
+        trial = group[0]
+        label = f"{trial.method} {trial.task} {trial.context}" + (f" x{len(group)}" if len(group) > 1 else "")
+        bar.set_postfix_str(label)
         assert model_and_tokenizer is not None
         model, tokenizer = model_and_tokenizer
-        sample_key = (trial.task, trial.context, trial.trial)
-        if sample_key not in samples:
-            samples[sample_key] = task_lib.make_sample(
-                trial.task,
-                tokenizer,
-                trial.context,
-                depth=trial.depth,
-                seed=trial.seed,
-                haystack=config.haystack_for(trial.task),
-                data_dir=config.data_dir,
-            )
-        label = f"{trial.method} {trial.task} {trial.context}"
+        for member in group:
+            sample_key = (member.task, member.context, member.trial)
+            if sample_key not in samples:
+                samples[sample_key] = task_lib.make_sample(
+                    member.task,
+                    tokenizer,
+                    member.context,
+                    depth=member.depth,
+                    seed=member.seed,
+                    haystack=config.haystack_for(member.task),
+                    data_dir=config.data_dir,
+                )
 
         def fed(done: int, total: int, label: str = label) -> None:
             bar.set_postfix_str(f"{label}, generated {done}/{total}")
 
-        row = run_trial(
-            model, tokenizer, config, trial, samples[sample_key], shared, fed if trial.generated else None
-        )
-        rows.append(row)
-        if rows_path is not None and writer:
-            with rows_path.open("a") as handle:
-                handle.write(json.dumps(row) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-        if on_row is not None:
-            on_row(row)
+        group_samples = [samples[(m.task, m.context, m.trial)] for m in group]
+        if len(group) > 1:
+            new_rows = run_batch(model, tokenizer, config, group, group_samples, fed)
+        else:
+            new_rows = [
+                run_trial(
+                    model,
+                    tokenizer,
+                    config,
+                    trial,
+                    group_samples[0],
+                    shared,
+                    fed if trial.generated else None,
+                )
+            ]
+        for row in new_rows:
+            rows.append(row)
+            if rows_path is not None and writer:
+                with rows_path.open("a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            if on_row is not None:
+                on_row(row)
+            bar.update(1)
+    bar.close()
     if out_dir is not None:
         return read_rows(out_dir)
     return rows
