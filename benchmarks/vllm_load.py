@@ -30,6 +30,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -157,12 +158,19 @@ def read_metrics(port: int) -> dict[str, float]:
         return {}
 
 
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR [^\]]*\] )?")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): .+")
+
+
 def start_error(log_path: Path) -> str:
-    """Why a server exited before it was healthy: the last error line of its log (a traceback ends with it)."""
+    """Why a server exited before it was healthy: the first exception its log names (the root cause: vLLM's
+    processes re-raise it wrapped, and the last line is only "Engine core initialization failed"), else its
+    last line."""
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line or "Exception" in line:
-            return line[-300:]
+    for line in lines:
+        text = _LOG_PREFIX.sub("", line)
+        if _EXCEPTION.match(text):
+            return text[:300]
     return lines[-1][-300:] if lines else "the server exited with an empty log"
 
 

@@ -94,8 +94,11 @@ def test_a_server_that_exits_at_start_up_is_a_refused_row_and_the_run_goes_on(tm
 
     def exits_at_start(args, method, log_path):
         started.append(method)
-        log_path.write_text(
-            f"INFO starting\nTraceback (most recent call last):\n  File x\n{error}\nINFO bye\n"
+        log_path.write_text(  # as vLLM logs it: a warning naming an error, the root cause, its wrappers
+            "WARNING 12-05 [system_utils.py:255] raise the ulimit, or `OSError: [Errno 24] Too many open files`\n"
+            "(Worker pid=19973) ERROR 12-05 11:02:56 [multiproc_executor.py:1063] Traceback (most recent call):\n"
+            f"(Worker pid=19973) ERROR 12-05 11:02:56 [multiproc_executor.py:1063] {error}\n"
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
         )
         return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
 

@@ -298,6 +298,22 @@ HEADLINES: dict[str, Headline] = {
             ("tpot", "tpot_median_s", "{:.2f}"),
         )
     },
+    **{  # make vllm-bench's grid: the KV tokens vLLM reported for each method (nineteenth session)
+        f"vllm-grid-{short}-kv": Headline(
+            "docs/data/vllm/load-grid-2k/rows.jsonl",
+            method,
+            "kv_tokens",
+            "{:,.0f}",
+            (("concurrency", 32),),
+            kvweave_spec=False,
+        )
+        for short, method in (
+            ("none", "none"),
+            ("q4", "quant:bits=4"),
+            ("q2", "quant:bits=2"),
+            ("dw", "depthweave"),
+        )
+    },
     **{  # depthweave's fused decode kernel beside its torch paths and vLLM's own (thirteenth session), and
         # again after the store of a step's decode rows was batched (fourteenth session, v2)
         f"{prefix}-{short}-{tokens // 1024}k-r{rows}": Headline(
