@@ -210,6 +210,13 @@ GENERATED_EVERY = 256
 """A long-generation trial reports its progress every this many fed tokens (:func:`feed_generated`)."""
 
 
+def _decoder(model: Any) -> Any:
+    """The model's decoder without its language-model head (``base_model``), or the model itself where it
+    has none: what :func:`feed_generated` runs, since nothing reads the filler's logits."""
+    decoder = getattr(model, "base_model", None)
+    return decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else model
+
+
 def feed_generated(
     model: Any,
     cache: Any,
@@ -224,8 +231,7 @@ def feed_generated(
     The passes run the decoder without the language-model head: nothing reads the filler's logits, and the
     cache sees the same layers, ids (the prompt hook sits on the decoder) and positions. On qwen2.5-coder-0.5b
     the head is 545 MB of the ~2 GB of float32 weights a decode step reads."""
-    decoder = getattr(model, "base_model", None)
-    forward = decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else model
+    forward = _decoder(model)
     kw = cache_kwarg(forward)
     start = time.perf_counter()
     device = next(model.parameters()).device
@@ -251,8 +257,7 @@ def feed_generated_rows(
     """:func:`feed_generated` for the rows of a left-padded batch: step ``i`` feeds ``fillers[b][i]`` at
     position ``firsts[b] + i`` of every row ``b`` (fillers of one length); ``mask: [B, T]`` is the attention
     mask of what the cache holds, returned grown by the fed tokens with the seconds it took."""
-    decoder = getattr(model, "base_model", None)
-    forward = decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else model
+    forward = _decoder(model)
     kw = cache_kwarg(forward)
     device = next(model.parameters()).device
     tokens = torch.tensor(fillers, device=device)  # [B, N]
