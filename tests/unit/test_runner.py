@@ -492,7 +492,7 @@ class AsciiTokenizer:
 
 
 @pytest.mark.parametrize(
-    "method", ["full", "depthweave:recent=16", "quant:residual=16", "snapkv", "h2o", "dkcache"]
+    "method", ["full", "depthweave:recent=16", "quant:residual=16", "snapkv", "h2o", "dkcache", "xkv"]
 )
 def test_a_batch_of_long_generation_trials_gives_each_trials_own_row(
     method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
