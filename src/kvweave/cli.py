@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --generated: run up to N trials of a method as one batch (prefill and filler together, each "
         "row then answers alone); a decode step reads the weights once for the batch, so a long-generation "
         "run takes a fraction of the time, and each row is its trial alone but for floating-point rounding "
-        "(rows carry batch and padding; their prefill_s and generated_s are the batch's) (default 1)",
+        "(rows carry batch and padding; their prefill_s and generated_s are the batch's); with --out a batch "
+        "saves its cache every 1,024 fed tokens under OUT/checkpoints, and a rerun of a killed run goes on "
+        "from there (default 1)",
     )
     p.add_argument("--out", help="run folder: rows.jsonl + config.json; a rerun resumes")
     p.add_argument(

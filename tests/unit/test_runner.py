@@ -528,6 +528,63 @@ def test_a_batch_of_long_generation_trials_gives_each_trials_own_row(
             assert many["kv_bytes"] == one["kv_bytes"]
 
 
+class _Killed(Exception):
+    """Stands for the process being killed mid-batch."""
+
+
+@pytest.mark.parametrize(
+    "method", ["full", "depthweave:recent=16", "quant:residual=16", "snapkv", "h2o", "dkcache", "xkv"]
+)
+def test_a_killed_batch_resumes_from_its_checkpoint_and_writes_the_rows_of_an_unbroken_one(
+    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``--batch`` long generation saves its cache every CHECKPOINT_EVERY fed tokens; killed after a save, the
+    same command goes on from it (no prefill, no token fed twice) and writes the rows the batch writes
+    unbroken: the same answers and bytes. The checkpoint is gone once the rows are written."""
+    from conftest import tiny_model
+
+    model, tokenizer = tiny_model("llama"), AsciiTokenizer()
+    fields = dict(model="tiny", tasks=["passkey"], contexts=[320], methods=[method], trials=2, generated=40)
+    config = runner.EvalConfig(**{**fields, "max_new_tokens": 5, "batch": 2})
+    monkeypatch.setattr(runner, "CHECKPOINT_EVERY", 16)
+    unbroken = runner.run(
+        config, out_dir=tmp_path / "a", progress=False, model_and_tokenizer=(model, tokenizer)
+    )
+
+    write = runner.write_checkpoint
+    saves: list[int] = []
+
+    def write_then_die(folder: Path, cache: Any, model: Any, state: dict[str, Any]) -> None:
+        write(folder, cache, model, state)
+        saves.append(state["done"])
+        if state["done"] == 32:
+            raise _Killed
+
+    monkeypatch.setattr(runner, "write_checkpoint", write_then_die)
+    with pytest.raises(_Killed):
+        runner.run(config, out_dir=tmp_path / "b", progress=False, model_and_tokenizer=(model, tokenizer))
+    assert saves == [16, 32] and not (tmp_path / "b" / "rows.jsonl").exists()
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").glob("*/cache-*")] == ["cache-32"]
+
+    fed: list[int] = []
+    feed = runner.feed_generated_rows
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        fed.append(args[6] if len(args) > 6 else kwargs.get("done", 0))
+        return feed(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "feed_generated_rows", counting)
+    resumed = runner.run(
+        config, out_dir=tmp_path / "b", progress=False, model_and_tokenizer=(model, tokenizer)
+    )
+    assert fed == [32] and saves == [16, 32]  # from the save at 32; nothing saved after it (40 is the end)
+    assert not any((tmp_path / "b" / "checkpoints").iterdir())
+    assert [r["key"] for r in resumed] == [r["key"] for r in unbroken]
+    for one, again in zip(unbroken, resumed, strict=True):
+        assert again["prediction"] == one["prediction"] and again["score"] == one["score"]
+        assert again["kv_bytes"] == one["kv_bytes"] and again["full_kv_bytes"] == one["full_kv_bytes"]
+
+
 def test_batch_needs_a_long_generation_and_groups_trials_that_share_a_method() -> None:
     with pytest.raises(ValueError, match="--batch .* needs --generated"):
         small_config(batch=2)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -253,10 +255,15 @@ def feed_generated_rows(
     firsts: list[int],
     mask: torch.Tensor,
     progress: Callable[[int, int], None] | None = None,
+    done: int = 0,
+    checkpoint: Callable[[int, float], None] | None = None,
+    every: int = 0,
 ) -> tuple[float, torch.Tensor]:
     """:func:`feed_generated` for the rows of a left-padded batch: step ``i`` feeds ``fillers[b][i]`` at
     position ``firsts[b] + i`` of every row ``b`` (fillers of one length); ``mask: [B, T]`` is the attention
-    mask of what the cache holds, returned grown by the fed tokens with the seconds it took."""
+    mask of what the cache held before the first filler token, returned grown by the fed tokens with the
+    seconds it took. ``done``: the first ``done`` tokens are in ``cache`` already (a resumed feed).
+    ``checkpoint(done, seconds)`` is called every ``every`` tokens (not after the last)."""
     forward = _decoder(model)
     kw = cache_kwarg(forward)
     device = next(model.parameters()).device
@@ -264,9 +271,12 @@ def feed_generated_rows(
     first = torch.tensor(firsts, device=device).view(-1, 1)
     mask = mask.to(device)
     one = torch.ones(len(fillers), 1, dtype=mask.dtype, device=device)
+    mask = torch.cat([mask, one.expand(-1, done)], dim=1)
+    total = tokens.shape[1]
+    seconds = 0.0
     start = time.perf_counter()
     with torch.no_grad():
-        for index in range(tokens.shape[1]):
+        for index in range(done, total):
             mask = torch.cat([mask, one], dim=1)
             forward(
                 tokens[:, index : index + 1],
@@ -275,9 +285,13 @@ def feed_generated_rows(
                 use_cache=True,
                 **{kw: cache},
             )
-            if progress is not None and ((index + 1) % GENERATED_EVERY == 0 or index + 1 == tokens.shape[1]):
-                progress(index + 1, tokens.shape[1])
-    return time.perf_counter() - start, mask
+            if progress is not None and ((index + 1) % GENERATED_EVERY == 0 or index + 1 == total):
+                progress(index + 1, total)
+            if checkpoint is not None and every > 0 and (index + 1) % every == 0 and index + 1 < total:
+                seconds += time.perf_counter() - start
+                checkpoint(index + 1, seconds)  # the save is not fed time
+                start = time.perf_counter()
+    return seconds + time.perf_counter() - start, mask
 
 
 # ----------------------------------------------------------------------------------------- one trial
@@ -536,6 +550,7 @@ def run_batch(
     trials: list[Trial],
     samples: list[task_lib.Sample],
     progress: Callable[[int, int], None] | None = None,
+    checkpoint: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Long-generation trials of one method, task and length as the rows of one batch: their prompts prefilled
     together (left-padded, each row at its own positions), every filler fed in the same decode steps, then each
@@ -546,7 +561,12 @@ def run_batch(
     their ``prefill_s``, ``generated_s`` and peak memory are the batch's. A row's ``kv_bytes`` are what its
     copy holds, layout the batch left included (``quant``'s exact tail and block slots span the batch's rows,
     so its batched rows hold up to a group of tokens more than alone); ``full_kv_bytes`` counts its own tokens:
-    a batched row never claims more compression than the trial alone."""
+    a batched row never claims more compression than the trial alone.
+
+    ``checkpoint``: a folder where the batch saves its cache every :data:`CHECKPOINT_EVERY` fed tokens
+    (:func:`kvweave.save_cache`, the batch's rows in one cache) with how far it got; a run that finds one there
+    goes on from it instead of starting over (a killed 8K-token batch loses at most that many steps). The
+    caller removes it once the rows are written."""
     method = trials[0].method
     if any((t.method, t.task, t.context, t.generated) != (method, trials[0].task, trials[0].context,
                                                           trials[0].generated) for t in trials):  # fmt: skip
@@ -567,24 +587,42 @@ def run_batch(
     mask = (torch.arange(width).view(1, -1) >= torch.tensor(pads).view(-1, 1)).long()
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() numbers a padded batch
     peak = PeakMemory(device)
-    cache = make_cache(method, model, tokenizer=tokenizer)
-    kw = cache_kwarg(model)
-    start = time.perf_counter()
-    with torch.no_grad():
-        model(
-            ids,
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            use_cache=True,
-            logits_to_keep=1,
-            **{kw: cache},
-        )
-    prefill_s = time.perf_counter() - start
-    # each row's bytes after the prefill, as run_trial takes them (a row's held bytes: the larger of these and
-    # its bytes after the answer)
-    held_after_prefill = [summed_nbytes(row_of(cache, b)) for b in range(len(trials))]
+    keys = [t.key() for t in trials]
+    resumed = read_checkpoint(checkpoint, model, tokenizer, keys) if checkpoint is not None else None
+    if resumed is not None:
+        cache, state = resumed
+        prefill_s, done, fed_s = state["prefill_s"], state["done"], state["generated_s"]
+        held_after_prefill = state["held_after_prefill"]
+    else:
+        cache = make_cache(method, model, tokenizer=tokenizer)
+        kw = cache_kwarg(model)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(
+                ids,
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{kw: cache},
+            )
+        prefill_s = time.perf_counter() - start
+        done, fed_s = 0, 0.0
+        # each row's bytes after the prefill, as run_trial takes them (a row's held bytes: the larger of these
+        # and its bytes after the answer)
+        held_after_prefill = [summed_nbytes(row_of(cache, b)) for b in range(len(trials))]
     firsts = [len(p) for p in prefills]
-    generated_s, _ = feed_generated_rows(model, cache, fillers, firsts, mask, progress)
+
+    def save(steps: int, seconds: float) -> None:
+        assert checkpoint is not None
+        state = {"keys": keys, "done": steps, "prefill_s": prefill_s, "generated_s": fed_s + seconds}
+        write_checkpoint(checkpoint, cache, model, {**state, "held_after_prefill": held_after_prefill})
+
+    seconds, _ = feed_generated_rows(
+        model, cache, fillers, firsts, mask, progress, done, save if checkpoint is not None else None,
+        CHECKPOINT_EVERY,
+    )  # fmt: skip
+    generated_s = fed_s + seconds
     timing = {
         "prefill_s": prefill_s,
         "generated_s": generated_s,
@@ -601,6 +639,57 @@ def run_batch(
         rows.append(row)
         del own
     return rows
+
+
+CHECKPOINT_EVERY = 1024
+"""A ``--batch`` long generation saves its cache every this many fed tokens (:func:`run_batch`)."""
+
+CHECKPOINT_STATE = "feed.json"
+"""The checkpoint's state file: the rows' keys, the fed tokens, the seconds so far and which ``cache-N`` folder."""
+
+
+def checkpoint_folder(out_dir: Path, trials: list[Trial]) -> Path:
+    """Where the batch of ``trials`` keeps its checkpoint under a run folder: one folder per batch, named by
+    its rows' keys."""
+    digest = hashlib.sha256("\n".join(t.key() for t in trials).encode()).hexdigest()[:16]
+    return out_dir / "checkpoints" / digest
+
+
+def write_checkpoint(folder: Path, cache: Any, model: Any, state: dict[str, Any]) -> None:
+    """Save ``cache`` beside the previous save in ``folder``, then point the state file (how far the feed got,
+    replaced atomically) at it, then remove the previous save: a save killed at any point leaves the previous
+    checkpoint (or none) readable, never a state with another cache."""
+    from kvweave.persist import save_cache
+
+    name = f"cache-{state['done']}"
+    save_cache(cache, model, folder / name)
+    staged = folder / (CHECKPOINT_STATE + ".tmp")
+    staged.write_text(json.dumps({**state, "cache": name}))
+    os.replace(staged, folder / CHECKPOINT_STATE)
+    for old in folder.glob("cache-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_checkpoint(
+    folder: Path, model: Any, tokenizer: Any, keys: list[str]
+) -> tuple[Any, dict[str, Any]] | None:
+    """``(cache, state)`` saved by :func:`write_checkpoint` for the rows ``keys``, or ``None`` where there is
+    none yet."""
+    from kvweave.persist import load_cache
+
+    path = folder / CHECKPOINT_STATE
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    if state.get("keys") != keys:
+        raise ValueError(
+            f"{folder}: a checkpoint of other rows ({state.get('keys')}); remove the folder to start the batch "
+            "over"
+        )
+    cache, _ = load_cache(folder / state["cache"], model)
+    cache.context.tokenizer = tokenizer
+    return cache, state
 
 
 def row_of(cache: Any, row: int, last: bool = False) -> Any:
@@ -783,8 +872,10 @@ def run(
             bar.set_postfix_str(f"{label}, generated {done}/{total}")
 
         group_samples = [samples[(m.task, m.context, m.trial)] for m in group]
+        checkpoint = None
         if len(group) > 1:
-            new_rows = run_batch(model, tokenizer, config, group, group_samples, fed)
+            checkpoint = checkpoint_folder(out_dir, group) if out_dir is not None and writer else None
+            new_rows = run_batch(model, tokenizer, config, group, group_samples, fed, checkpoint)
         else:
             new_rows = [
                 run_trial(
@@ -807,6 +898,8 @@ def run(
             if on_row is not None:
                 on_row(row)
             bar.update(1)
+        if checkpoint is not None:
+            shutil.rmtree(checkpoint, ignore_errors=True)  # its rows are written
     bar.close()
     if out_dir is not None:
         return read_rows(out_dir)
