@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: setup models test-models test check lint demo browser vllm-test vllm-test-quick vllm-bench
+.PHONY: setup models test-models test check lint demo browser vllm-test vllm-test-quick vllm-bench longgen
 
 $(BIN)/kvweave:
 	$(PY) -m venv $(VENV)
@@ -58,3 +58,6 @@ vllm-bench: models  ## vLLM under load: requests/s, TTFT and TPOT per method and
 	  .venv-vllm/bin/python benchmarks/vllm_load.py --model $$HOME/.cache/kvweave/models/qwen2.5-coder-0.5b \
 	    $(VLLM_BENCH_ARGS) --out $${VLLM_BENCH_OUT:-runs/vllm-load}; \
 	else echo "vllm-bench: skipped (no working .venv-vllm; see the vllm-env line above)"; fi
+
+longgen: models  ## issue #30's long-generation table (1K/4K/8K generated tokens, every method; hours on 2 CPUs; rerun to resume)
+	@bash scripts/longgen.sh

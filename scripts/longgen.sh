@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue #30's long-generation table: NIAH multi-key at 2K, then 1K / 4K / 8K teacher-forced generated tokens,
+# then the question, qwen2.5-coder-0.5b, 6 trials, every method (docs/results.md, "2K tokens"). Hours on 2 CPUs:
+# every step resumes (finished rows are skipped, a batch killed mid-feed goes on from its last checkpoint), so
+# rerun it until it prints "longgen: complete". Rows go to runs/longgen-2k-{1k-batch6,4k-v5,8k-v5}; a folder
+# missing there starts from the committed rows in docs/data/runs (the same samples). Copy the rows back to
+# docs/data/runs and regenerate docs/results.md to publish them.
+# Each column keeps the word lists its committed rows drew from: the 1K column the built-in lists
+# (KVWEAVE_DATA unset), the 4K and 8K columns ../shared/data's (KVWEAVE_DATA set); a resume with the other
+# lists is refused by kvweave eval.
+#   LONGGEN_ONLY=1k|4k|8k (one column)   KVWEAVE (default .venv/bin/kvweave)   SHARED_DATA (default ../shared/data)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KVWEAVE=${KVWEAVE:-.venv/bin/kvweave}
+SHARED_DATA=${SHARED_DATA:-../shared/data}
+METHODS=depthweave,full,quant,dkcache,xkv,snapkv,h2o
+
+column() {  # column NAME GENERATED DATA(builtin|shared)
+  local name=$1 generated=$2 data=$3 out=runs/longgen-2k-$1
+  if [ -n "${LONGGEN_ONLY:-}" ] && [ "${name%%-*}" != "$LONGGEN_ONLY" ]; then return; fi
+  if [ ! -d "$out" ] && [ -d "docs/data/runs/longgen-2k-$name" ]; then
+    mkdir -p "$out" && cp "docs/data/runs/longgen-2k-$name/rows.jsonl" "$out/"
+  fi
+  echo "longgen: $generated generated tokens -> $out ($(date +%T))"
+  local env=(env -u KVWEAVE_DATA)
+  if [ "$data" = shared ]; then env=(env "KVWEAVE_DATA=$SHARED_DATA"); fi
+  "${env[@]}" HF_HUB_OFFLINE=1 nice "$KVWEAVE" eval --model qwen2.5-coder-0.5b --task niah_multikey --context 2048 \
+    --generated "$generated" --trials 6 --methods "$METHODS" --batch 6 --out "$out"
+}
+
+column 1k-batch6 1024 builtin
+column 4k-v5 4096 shared
+column 8k-v5 8192 shared
+echo "longgen: complete ($(date +%T))"
