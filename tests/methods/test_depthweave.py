@@ -430,6 +430,38 @@ def test_retrievable_scores_rank_digits_then_names_then_rare_words():
     assert retrievable_scores(ids, None, torch.arange(3), 1) is None  # no tokenizer: no signal
 
 
+def test_protect_names_ranks_long_values_and_keeps_their_names():
+    from kvweave.methods.depthweave import retrievable_scores
+
+    vocab = _Vocab(
+        {
+            1: "Ġthe",
+            2: "Ġis",
+            3: "7",
+            4: "Ġpainstaking",
+            5: "-log",
+            6: "gia",
+            7: ":",
+            8: "Ġ",
+            9: "Ġfor",
+            10: ".",
+        }
+    )
+    # "the the for painstaking-loggia is: 7777777. the the the 7777 the the" (a value, then a year-like number)
+    ids = torch.tensor([1, 1, 9, 4, 5, 6, 2, 7, 8, 3, 3, 3, 3, 3, 3, 3, 10, 1, 1, 1, 3, 3, 3, 3, 1, 1])
+    slots = torch.arange(ids.numel())
+    plain = retrievable_scores(ids, vocab, slots, 1)[0]
+    named = retrievable_scores(ids, vocab, slots, 1, names=2)[0]
+    assert plain[9:16].eq(2.0).all() and plain[20:24].eq(2.0).all()  # without names: every digit alike
+    assert named[9:16].eq(3.0).all()  # a run of 5+ digit tokens: a value, above every other digit
+    assert named[3:9].eq(2.5).all()  # its name, back to the second word start ("painstaking"), and separators
+    assert named[2] == plain[2] == 0.0  # "for" is past the name
+    assert named[20:24].eq(2.0).all()  # 4 digits (a year): as before
+    assert torch.equal(named[16:], plain[16:])  # after the value nothing changes
+    one = retrievable_scores(ids, vocab, slots, 1, names=1)[0]
+    assert one[6:9].eq(2.5).all() and torch.equal(one[3:6], plain[3:6])  # names=1: "is: " only
+
+
 def test_protect_keeps_digit_tokens_exact_inside_the_budget(model):
     ids = torch.tensor([[5, 6, 7, 8] * 24])
     digits = [40, 41, 42, 70]
@@ -462,6 +494,29 @@ def test_protect_keeps_digit_tokens_exact_inside_the_budget(model):
     protected = held[0.05] - held[0.0]
     assert len(protected) == round(0.05 * (96 - 8))  # the protect fraction of the folded tokens
     assert set(digits[:3]) <= protected  # digits first, then their neighbours
+
+
+def test_protect_names_keeps_a_values_name_exact_through_the_cache(model):
+    ids = torch.tensor([[5, 6, 7, 8] * 24])
+    ids[0, 40:43] = torch.tensor([150, 151, 152])  # " painstaking" "-log" "gia", then " is" ":" " "
+    ids[0, 43:46] = torch.tensor([153, 154, 155])
+    ids[0, 46:53] = 140  # a value of seven digit tokens
+    ids[0, 70:72] = 140  # two stray digits
+    vocab = _Vocab({140: "9", 150: "Ġpainstaking", 151: "-log", 152: "gia", 153: "Ġis", 154: ":", 155: "Ġ"})
+    options = {**SMALL, "router": False, "group": 2, "compression": 3.0, "decode_tokens": 0, "protect": 0.15}
+    held = {}
+    for names in (0, 2):
+        cache = kvweave.make_cache("depthweave", model, **{**options, "protect_names": names})
+        cache.set_prompt(ids, vocab)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+        held[names] = set(cache.layers[0].group.rows[0].exact_slots.tolist())
+        assert cache.layers[0].group.summary()["group_compression"] == pytest.approx(3.0, rel=0.25)
+    assert len(held[0]) == len(held[2])  # the same budget of exact rows
+    assert set(range(40, 53)) <= held[2]  # the value and its name, every token
+    assert not {40, 41, 42} & held[0]  # without names the name is folded (the stray digits come first)
+    with pytest.raises(ValueError, match="protect_names"):
+        kvweave.make_cache("depthweave:protect_names=-1", model)
 
 
 def test_held_bytes_track_compression_over_a_long_decode(model):

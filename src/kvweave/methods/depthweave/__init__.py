@@ -26,6 +26,9 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   on every path (each forward pass of a prepared model hands its ``input_ids`` over, :mod:`kvweave.prompt`), the
   tokenizer from ``load_model`` or ``make_cache(..., tokenizer=)``; ``cache.set_prompt`` overrides both. Exact rows are always attended
   (selective decode never skips them) and the byte budget pays for them (the ranks drop to fit).
+  ``protect_names=N`` (off by default, being measured: docs/findings.md, twenty-first session) ranks values of 5+
+  digit tokens above shorter numbers and keeps each one's name (the tokens back to the Nth word before it)
+  exact with it: in a long generation the needles lost are the wrong key's value, and the names are folded.
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
@@ -221,6 +224,12 @@ class DepthWeave(Method):
         "fraction of prompt tokens kept as exact rows because they look like values users retrieve (digits, "
         "identifiers, rare names: read from the prompt's tokens); counted in the compression budget",
     )
+    protect_names: int = option(
+        0,
+        "with protect: rank values of 5+ digit tokens first and keep their names (the tokens back to the Nth "
+        "word before them) exact with them (0: off)",
+        tuning=True,
+    )
     residual_bits: int = option(
         16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
     )
@@ -363,6 +372,7 @@ class DepthWeave(Method):
         self.check_range("residual_tokens", 0.0, 1.0)
         self.check_choice("residual_bits", [16, 8])
         self.check_range("protect", 0.0, 0.5)
+        self.check_range("protect_names", 0)
         self.check_range("hi_tokens", 0.0, 1.0)
         self.check_range("lo_tokens", 0.0, 1.0 - self.hi_tokens)
         self.check_range("spread", 1.0, 64.0)

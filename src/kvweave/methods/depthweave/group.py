@@ -333,7 +333,9 @@ class WeaveGroup(Stateful):
         content = content_scores(context.prompt_ids, context.tokenizer, slots, rows) if first == 0 else None
         retrievable = None
         if first == 0 and self.method.protect > 0:
-            retrievable = retrievable_scores(context.prompt_ids, context.tokenizer, slots, rows)
+            retrievable = retrievable_scores(
+                context.prompt_ids, context.tokenizer, slots, rows, self.method.protect_names
+            )
         pad_count: torch.Tensor = owner.pad_count  # type: ignore[assignment]
         padding = slots.view(1, -1) < pad_count.view(-1, 1)
         heads, dim = keys[0].shape[1], keys[0].shape[3]

@@ -170,6 +170,14 @@ def _per_token(
     return out
 
 
+def _word_start(token: str | None) -> float:
+    """1.0 when ``token`` begins a word: a space or newline (byte-level ``Ġ`` / ``Ċ``, SentencePiece ``▁``)
+    followed by a letter."""
+    text = token or ""
+    rest = text.lstrip("Ġ▁ Ċ\n")
+    return 1.0 if len(rest) < len(text) and rest[:1].isalpha() else 0.0
+
+
 def _content_flag(token: str | None) -> float:
     text = (token or "").lstrip("Ġ▁ ")
     if any(c.isdigit() for c in text):
@@ -184,31 +192,35 @@ DIGITS, IDENTIFIER, WORD, OTHER = 0, 1, 2, 3
 class TokenClasses:
     """What the content rules read of each token id's text, converted once per tokenizer and id.
 
-    ``lookup(ids)`` gives ``[u, 2]``: the :data:`DIGITS` / :data:`IDENTIFIER` / :data:`WORD` / :data:`OTHER`
-    class of each id (what :func:`retrievable_scores` reads) and its content flag (:func:`content_scores`).
+    ``lookup(ids)`` gives ``[u, 3]``: the :data:`DIGITS` / :data:`IDENTIFIER` / :data:`WORD` / :data:`OTHER`
+    class of each id (what :func:`retrievable_scores` reads), its content flag (:func:`content_scores`) and
+    whether it starts a word (a space or newline, then a letter: ``protect_names`` counts a value's name in
+    words).
     Ids seen before are read from a table; only new ones go through ``tokenizer.convert_ids_to_tokens``, so a
     decode step or a second prompt costs no tokenizer calls.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.table = torch.zeros(0, 2)  # [vocab so far, 2] float: class, content flag
+        self.table = torch.zeros(0, 3)  # [vocab so far, 3] float: class, content flag, starts a word
         self.known = torch.zeros(0, dtype=torch.bool)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[u, 2]`` class and content flag of each of ``ids`` (``[u]`` int, on any device; result on CPU)."""
+        """``[u, 3]`` class, content flag and word start of each of ``ids`` (``[u]`` int, on any device; result on CPU)."""
         ids = ids.detach().to("cpu", torch.int64)
         if ids.numel() == 0:
-            return torch.zeros(0, 2)
+            return torch.zeros(0, 3)
         top = int(ids.max()) + 1
         if top > self.known.numel():
             grow = top - self.known.numel()
-            self.table = torch.cat([self.table, torch.zeros(grow, 2)])
+            self.table = torch.cat([self.table, torch.zeros(grow, 3)])
             self.known = torch.cat([self.known, torch.zeros(grow, dtype=torch.bool)])
         new = ids[~self.known[ids]].unique()
         if new.numel():
             tokens = self.tokenizer.convert_ids_to_tokens(new.tolist())
-            self.table[new] = torch.tensor([[_token_class(t), _content_flag(t)] for t in tokens])
+            self.table[new] = torch.tensor(
+                [[_token_class(t), _content_flag(t), _word_start(t)] for t in tokens]
+            )
             self.known[new] = True
         return self.table[ids]
 
@@ -235,7 +247,7 @@ a UUID's dashes, the key word right before ``: 1234``), at half its score."""
 
 
 def retrievable_scores(
-    prompt_ids: torch.Tensor | None, tokenizer: Any, slots: torch.Tensor, rows: int
+    prompt_ids: torch.Tensor | None, tokenizer: Any, slots: torch.Tensor, rows: int, names: int = 0
 ) -> torch.Tensor | None:
     """``[B, c]`` how much each prompt token looks like a value a reader later asks for, question-agnostic;
     ``None`` without the prompt ids and a tokenizer (``cache.context``, as for :func:`content_scores`).
@@ -245,13 +257,19 @@ def retrievable_scores(
     the prompt (``snake_case`` or ``camelCase`` pieces, capitalised or all-caps names), 0.5 for other words
     of 4+ letters that occur once; neighbours within :data:`RETRIEVABLE_SPAN` of a digit token get at least
     half its score, so a value survives with its separators. Slots past the given ids score 0.
+
+    ``names > 0`` (DepthWeave's ``protect_names``): a value of :data:`LONG_VALUE` or more digit tokens in a
+    row scores 3, above years and section numbers, and the tokens before it back to the ``names``-th word
+    start (with ``names=2``: ``painstaking-loggia is: `` before ``8579151``) 2.5, above any other digit: what
+    tells one such value from another of the same shape is the name a question asks it by.
     """
     if prompt_ids is None or tokenizer is None:
         return None
     classes = token_classes(tokenizer)
 
     def score(unique: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        kind = classes.lookup(unique)[:, 0].to(slots.device)
+        table = classes.lookup(unique).to(slots.device)
+        kind = table[:, 0]
         counts = counts.to(slots.device)
         flags = torch.where(kind == DIGITS, 2.0, 0.0)
         flags = torch.where((kind == IDENTIFIER) & (counts <= 3), 1.0, flags)
@@ -259,9 +277,45 @@ def retrievable_scores(
         value = flags[inverse]
         digits = (value >= 2.0).float().view(1, 1, -1)
         near = F.max_pool1d(digits, 2 * RETRIEVABLE_SPAN + 1, stride=1, padding=RETRIEVABLE_SPAN).view(-1)
-        return torch.maximum(value, near)  # neighbours of a digit token: 1.0 (half of 2)
+        value = torch.maximum(value, near)  # neighbours of a digit token: 1.0 (half of 2)
+        if names > 0:
+            value = _named_values(value, digits.view(-1) > 0, table[:, 2][inverse] > 0, names)
+        return value
 
     return _per_token(prompt_ids, slots, rows, score)
+
+
+LONG_VALUE = 5
+"""Digit tokens in a row from which ``protect_names`` treats a number as a value with a name (longer than a
+year or a section number)."""
+
+
+def _named_values(
+    value: torch.Tensor, digit: torch.Tensor, word_start: torch.Tensor, names: int
+) -> torch.Tensor:
+    """``value`` with every run of :data:`LONG_VALUE`+ digit tokens raised to 3 and its name (the tokens before
+    it, back to the ``names``-th token that starts a word) to 2.5 (:func:`retrievable_scores`)."""
+    n = value.numel()
+    flags = digit.tolist()
+    starts = word_start.tolist()
+    out = value.clone()
+    i = 0
+    while i < n:
+        if not flags[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and flags[j]:
+            j += 1
+        if j - i >= LONG_VALUE:
+            out[i:j] = 3.0
+            first, seen = i, 0
+            while first > 0 and seen < names:
+                first -= 1
+                seen += int(starts[first])
+            out[first:i] = torch.clamp(out[first:i], min=2.5)
+        i = j
+    return out
 
 
 def _token_class(token: str | None) -> int:
