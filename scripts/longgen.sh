@@ -8,12 +8,13 @@
 # Each column keeps the word lists its committed rows drew from: the 1K column the built-in lists
 # (KVWEAVE_DATA unset), the 4K and 8K columns ../shared/data's (KVWEAVE_DATA set); a resume with the other
 # lists is refused by kvweave eval.
-#   LONGGEN_ONLY=1k|4k|8k (one column)   KVWEAVE (default .venv/bin/kvweave)   SHARED_DATA (default ../shared/data)
+#   LONGGEN_ONLY=1k|4k|8k (one column)   LONGGEN_METHODS (comma-separated specs; default every method below)
+#   KVWEAVE (default .venv/bin/kvweave)   SHARED_DATA (default ../shared/data)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVWEAVE=${KVWEAVE:-.venv/bin/kvweave}
 SHARED_DATA=${SHARED_DATA:-../shared/data}
-METHODS=depthweave,full,quant,dkcache,xkv,snapkv,h2o
+METHODS=${LONGGEN_METHODS:-depthweave,full,quant,dkcache,xkv,snapkv,h2o}
 
 column() {  # column NAME GENERATED DATA(builtin|shared)
   local name=$1 generated=$2 data=$3 out=runs/longgen-2k-$1
