@@ -101,11 +101,11 @@ def drift(
     prefill_ids, _ = build_prompt(tokenizer, sample, question_aware=False)
     n_ctx = len(prefill_ids)
     needle = torch.tensor(answer_tokens(tokenizer, prefill_ids, sample.answers), dtype=torch.long)
-    spans = {name_: torch.zeros(n_ctx, dtype=torch.bool) for name_ in ("needle", "name", "rest")}
+    spans = {"needle": torch.zeros(n_ctx, dtype=torch.bool), "name": torch.zeros(n_ctx, dtype=torch.bool)}
     spans["needle"][needle] = True
-    starts = [int(i) for i in needle if int(i) - 1 not in set(needle.tolist())]
-    for start in starts:
-        spans["name"][max(0, start - name) : start] = True
+    for start in needle.tolist():
+        if start == 0 or not spans["needle"][start - 1]:  # the first token of an answer span
+            spans["name"][max(0, start - name) : start] = True
     spans["name"] &= ~spans["needle"]
     spans["rest"] = ~(spans["needle"] | spans["name"])
     exact = {
