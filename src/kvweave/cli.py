@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="long generation: N tokens of prose fed one decode step at a time between the document and the "
         "question, so the facts age in the cache (and pass through decode-time compression) while N tokens "
-        "arrive; rows report the task as '<task> +N gen' (default 0)",
+        "arrive ('full', an exact cache, takes them 256 per pass: the same keys and values); rows report the "
+        "task as '<task> +N gen' (default 0)",
     )
     p.add_argument(
         "--batch",

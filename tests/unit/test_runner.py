@@ -475,6 +475,50 @@ def test_feeding_through_the_decoder_alone_leaves_the_cache_a_full_forward_would
     assert torch.equal(logits[0], logits[1])
 
 
+def test_an_exact_cache_takes_its_filler_in_chunks_and_holds_what_one_token_a_step_leaves() -> None:
+    """``full`` feeds a long generation's filler ``EXACT_FEED_CHUNK`` tokens per pass (the causal mask gives
+    each token the same attention as a decode step): the next step's logits are those of one token a step, to
+    float rounding; a pass never crosses a progress report; every compressed method is fed one token a step."""
+    import kvweave
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    prompt = (torch.arange(200) * 7 % 150 + 3).view(1, -1)
+    filler = [(11 * i) % 150 + 3 for i in range(64)]
+    logits = []
+    for chunk in (1, 7):
+        cache = kvweave.make_cache("full", model)
+        seen: list[tuple[int, int]] = []
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+            runner.feed_generated(
+                model, cache, filler, prompt.shape[1], lambda *a, s=seen: s.append(a), chunk
+            )
+            position = torch.tensor([[prompt.shape[1] + len(filler)]])
+            out = model(torch.tensor([[7]]), position_ids=position, past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+        assert seen == [(64, 64)] and cache.get_seq_length() == prompt.shape[1] + len(filler) + 1
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+    assert runner.feed_chunk(kvweave.make_cache("full", model)) == runner.EXACT_FEED_CHUNK
+    for method in ("depthweave", "quant", "h2o", "xkv"):
+        assert runner.feed_chunk(kvweave.make_cache(method, model)) == 1
+    with pytest.raises(ValueError, match="chunk must be at least 1"):
+        runner.feed_generated(model, kvweave.make_cache("full", model), filler, 0, chunk=0)
+
+
+def test_a_chunked_feed_stops_at_every_progress_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvweave
+    from conftest import tiny_model
+
+    monkeypatch.setattr(runner, "GENERATED_EVERY", 4)
+    model = tiny_model("llama")
+    cache = kvweave.make_cache("full", model)
+    seen: list[tuple[int, int]] = []
+    runner.feed_generated(model, cache, list(range(3, 13)), 0, lambda d, t: seen.append((d, t)), chunk=3)
+    assert seen == [(4, 10), (8, 10), (10, 10)]
+    assert cache.get_seq_length() == 10
+
+
 class AsciiTokenizer:
     """One token per printable character (ids 3..98), newline 99; 0 pads, 1 ends: fits a tiny model's vocab."""
 
@@ -517,6 +561,8 @@ def test_a_batch_of_long_generation_trials_gives_each_trials_own_row(
     together = runner.run(batch, out_dir=tmp_path, progress=False, model_and_tokenizer=(model, tokenizer))
     assert [r["key"] for r in together] == [r["key"] for r in alone]
     assert {r["batch"] for r in together} == {3} and max(r["padding"] for r in together) > 0
+    chunk = runner.EXACT_FEED_CHUNK if method == "full" else 1
+    assert {r["feed_chunk"] for r in together + alone} == {chunk}
     for one, many in zip(alone, together, strict=True):
         assert many["prediction"] == one["prediction"] and many["score"] == one["score"]
         assert many["prompt_tokens"] == one["prompt_tokens"] and "batch" not in one

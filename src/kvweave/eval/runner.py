@@ -225,27 +225,18 @@ def feed_generated(
     filler: list[int],
     first: int,
     progress: Callable[[int, int], None] | None = None,
+    chunk: int = 1,
 ) -> float:
     """Teacher-force ``filler`` through ``cache`` one token per forward pass (decode steps, not a prefill);
     returns the seconds it took. ``first`` is the position of the first filler token; ``progress(done,
     total)`` is called every :data:`GENERATED_EVERY` tokens and at the end (a 4K-token trial takes minutes).
+    ``chunk``: tokens per pass, for an exact cache only (:func:`feed_chunk`).
 
     The passes run the decoder without the language-model head: nothing reads the filler's logits, and the
     cache sees the same layers, ids (the prompt hook sits on the decoder) and positions. On qwen2.5-coder-0.5b
     the head is 545 MB of the ~2 GB of float32 weights a decode step reads."""
-    forward = _decoder(model)
-    kw = cache_kwarg(forward)
-    start = time.perf_counter()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for index, token in enumerate(filler):
-            position = torch.tensor([[first + index]], device=device)
-            forward(
-                torch.tensor([[token]], device=device), position_ids=position, use_cache=True, **{kw: cache}
-            )
-            if progress is not None and ((index + 1) % GENERATED_EVERY == 0 or index + 1 == len(filler)):
-                progress(index + 1, len(filler))
-    return time.perf_counter() - start
+    seconds, _ = feed_generated_rows(model, cache, [filler], [first], None, progress, chunk=chunk)
+    return seconds
 
 
 def feed_generated_rows(
@@ -253,45 +244,71 @@ def feed_generated_rows(
     cache: Any,
     fillers: list[list[int]],
     firsts: list[int],
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     progress: Callable[[int, int], None] | None = None,
     done: int = 0,
     checkpoint: Callable[[int, float], None] | None = None,
     every: int = 0,
-) -> tuple[float, torch.Tensor]:
+    chunk: int = 1,
+) -> tuple[float, torch.Tensor | None]:
     """:func:`feed_generated` for the rows of a left-padded batch: step ``i`` feeds ``fillers[b][i]`` at
     position ``firsts[b] + i`` of every row ``b`` (fillers of one length); ``mask: [B, T]`` is the attention
     mask of what the cache held before the first filler token, returned grown by the fed tokens with the
-    seconds it took. ``done``: the first ``done`` tokens are in ``cache`` already (a resumed feed).
-    ``checkpoint(done, seconds)`` is called every ``every`` tokens (not after the last)."""
+    seconds it took (``None``: one unpadded row, no mask passed, ``None`` returned). ``done``: the first ``done`` tokens are in ``cache`` already (a resumed feed).
+    ``checkpoint(done, seconds)`` is called every ``every`` tokens (not after the last). ``chunk``: tokens per
+    forward pass (1: decode steps); a pass never crosses a progress or checkpoint boundary."""
+    if chunk < 1:
+        raise ValueError(f"feed_generated: chunk must be at least 1, got {chunk}")
     forward = _decoder(model)
     kw = cache_kwarg(forward)
     device = next(model.parameters()).device
     tokens = torch.tensor(fillers, device=device)  # [B, N]
     first = torch.tensor(firsts, device=device).view(-1, 1)
-    mask = mask.to(device)
-    one = torch.ones(len(fillers), 1, dtype=mask.dtype, device=device)
-    mask = torch.cat([mask, one.expand(-1, done)], dim=1)
+    ones = torch.ones(len(fillers), max(chunk, done), dtype=torch.long, device=device)
+    if mask is not None:
+        mask = torch.cat([mask.to(device), ones[:, :done].to(mask.dtype)], dim=1)
     total = tokens.shape[1]
     seconds = 0.0
     start = time.perf_counter()
+    index = done
     with torch.no_grad():
-        for index in range(done, total):
-            mask = torch.cat([mask, one], dim=1)
+        while index < total:
+            step = min(chunk, total - index, GENERATED_EVERY - index % GENERATED_EVERY)
+            if every > 0:
+                step = min(step, every - index % every)
+            masked = {}
+            if mask is not None:
+                mask = torch.cat([mask, ones[:, :step].to(mask.dtype)], dim=1)
+                masked = {"attention_mask": mask}
             forward(
-                tokens[:, index : index + 1],
-                attention_mask=mask,
-                position_ids=first + index,
+                tokens[:, index : index + step],
+                **masked,
+                position_ids=first + torch.arange(index, index + step, device=device).view(1, -1),
                 use_cache=True,
                 **{kw: cache},
             )
-            if progress is not None and ((index + 1) % GENERATED_EVERY == 0 or index + 1 == total):
-                progress(index + 1, total)
-            if checkpoint is not None and every > 0 and (index + 1) % every == 0 and index + 1 < total:
+            index += step
+            if progress is not None and (index % GENERATED_EVERY == 0 or index == total):
+                progress(index, total)
+            if checkpoint is not None and every > 0 and index % every == 0 and index < total:
                 seconds += time.perf_counter() - start
-                checkpoint(index + 1, seconds)  # the save is not fed time
+                checkpoint(index, seconds)  # the save is not fed time
                 start = time.perf_counter()
     return seconds + time.perf_counter() - start, mask
+
+
+EXACT_FEED_CHUNK = 256
+"""Tokens per forward pass when a long-generation trial feeds its filler through an exact cache
+(:func:`feed_chunk`)."""
+
+
+def feed_chunk(cache: Any) -> int:
+    """How many filler tokens one forward pass feeds into ``cache``: :data:`EXACT_FEED_CHUNK` for an exact
+    cache (``full``), whose keys and values do not depend on how the tokens arrive (the causal mask gives every
+    token the same attention; only float rounding differs), 1 for every other method, whose decode-time
+    compression is what a long generation measures. Rows record it (``feed_chunk``)."""
+    method = getattr(cache, "method", None)
+    return EXACT_FEED_CHUNK if getattr(method, "exact", False) else 1
 
 
 # ----------------------------------------------------------------------------------------- one trial
@@ -435,8 +452,14 @@ def run_trial(
         prefill_s = time.perf_counter() - start
     # the whole cache: under tensor parallelism summed over the ranks
     held_after_prefill = summed_nbytes(cache)
-    generated_s = feed_generated(model, cache, filler, len(prefill_ids), progress) if filler else 0.0
-    timing = {"prefill_s": prefill_s, "generated_s": generated_s, "shared_prefill": replayed}
+    chunk = feed_chunk(cache)
+    generated_s = feed_generated(model, cache, filler, len(prefill_ids), progress, chunk) if filler else 0.0
+    timing = {
+        "prefill_s": prefill_s,
+        "generated_s": generated_s,
+        "shared_prefill": replayed,
+        "feed_chunk": chunk,
+    }
     return answer(
         model,
         tokenizer,
@@ -528,6 +551,7 @@ def answer(
         "generated": trial.generated,
         "generated_s": round(timing["generated_s"], 3),
         "shared_prefill": timing["shared_prefill"],
+        "feed_chunk": timing.get("feed_chunk", 1) if trial.generated else None,
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
         "attended": attended_entries(cache),
@@ -618,9 +642,10 @@ def run_batch(
         state = {"keys": keys, "done": steps, "prefill_s": prefill_s, "generated_s": fed_s + seconds}
         write_checkpoint(checkpoint, cache, model, {**state, "held_after_prefill": held_after_prefill})
 
+    chunk = feed_chunk(cache)
     seconds, _ = feed_generated_rows(
         model, cache, fillers, firsts, mask, progress, done, save if checkpoint is not None else None,
-        CHECKPOINT_EVERY,
+        CHECKPOINT_EVERY, chunk,
     )  # fmt: skip
     generated_s = fed_s + seconds
     timing = {
@@ -628,6 +653,7 @@ def run_batch(
         "generated_s": generated_s,
         "shared_prefill": False,
         "batch": len(trials),
+        "feed_chunk": chunk,
     }
     rows = []
     for b, (trial, sample) in enumerate(zip(trials, samples, strict=True)):
