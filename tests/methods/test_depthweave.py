@@ -519,6 +519,32 @@ def test_protect_names_keeps_a_values_name_exact_through_the_cache(model):
         kvweave.make_cache("depthweave:protect_names=-1", model)
 
 
+def test_protect_names_keeps_a_named_value_whole_past_the_protect_fraction_up_to_twice_it(model):
+    """A short prompt whose named values need more rows than ``protect`` gives: they get them, up to twice the
+    fraction, and the budget still holds."""
+    ids = torch.tensor([[5, 6, 7, 8] * 24])
+    ids[0, 40:46] = torch.tensor([150, 151, 152, 153, 154, 155])  # its name, " painstaking-loggia is: "
+    ids[0, 46:53] = 140  # a value of seven digit tokens: 13 named tokens in all
+    vocab = _Vocab({140: "9", 150: "Ġpainstaking", 151: "-log", 152: "gia", 153: "Ġis", 154: ":", 155: "Ġ"})
+    options = {**SMALL, "router": False, "group": 2, "compression": 3.0, "decode_tokens": 0}
+    held = {}
+    for protect, names in ((0.1, 0), (0.1, 2), (0.05, 2)):
+        cache = kvweave.make_cache(
+            "depthweave", model, **{**options, "protect": protect, "protect_names": names}
+        )
+        cache.set_prompt(ids, vocab)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+        held[protect, names] = set(cache.layers[0].group.rows[0].exact_slots.tolist())
+        assert cache.layers[0].group.summary()["group_compression"] == pytest.approx(3.0, rel=0.25)
+    sinks = {slot for slot in held[0.1, 0] if slot < 8}  # the attention sinks, exact in every run
+    folded = 96 - 8  # the protect fraction is of the folded tokens
+    assert len(held[0.1, 0]) == len(sinks) + round(0.1 * folded)  # 9 of the 13 named tokens
+    assert held[0.1, 2] == sinks | set(range(40, 53))  # all 13: past the fraction, inside twice it
+    assert len(held[0.05, 2]) == len(sinks) + 2 * round(0.05 * folded)  # capped at twice the fraction
+    assert set(range(46, 53)) <= held[0.05, 2]  # the value first
+
+
 def test_held_bytes_track_compression_over_a_long_decode(model):
     """Decode-time folds spend what the budget leaves on exact rows: the held bytes stay within ±15 % of
     ``compression`` at every checkpoint once the budget fills (projected coordinates alone drift to 3.9x)."""

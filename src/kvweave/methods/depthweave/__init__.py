@@ -29,6 +29,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   ``protect_names=N`` (off by default, being measured: docs/findings.md, twenty-first session) ranks values of 5+
   digit tokens above shorter numbers and keeps each one's name (the tokens back to the Nth word before it)
   exact with it: in a long generation the needles lost are the wrong key's value, and the names are folded.
+  Where the named values need more rows than ``protect``'s fraction (short prompts) they get them, up to twice
+  it; the budget pays as for any exact row.
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
@@ -227,7 +229,7 @@ class DepthWeave(Method):
     protect_names: int = option(
         0,
         "with protect: rank values of 5+ digit tokens first and keep their names (the tokens back to the Nth "
-        "word before them) exact with them (0: off)",
+        "word before them) exact with them, past protect's fraction where they need it, up to twice it (0: off)",
         tuning=True,
     )
     residual_bits: int = option(

@@ -87,11 +87,16 @@ def router_score(chunk: Chunk, novelty: torch.Tensor | None) -> torch.Tensor:
 
 def protected(chunk: Chunk, method: DepthWeave) -> torch.Tensor | None:
     """``[n]`` bool: the tokens ``protect`` keeps exact (the highest :func:`retrievable_scores`, at most
-    ``protect`` of the chunk, positive scores only), or ``None``."""
+    ``protect`` of the chunk, positive scores only), or ``None``. With ``protect_names`` every named value
+    (scores of :data:`NAMED` and above) is kept whole even past that fraction, up to twice it: the budget
+    pays for the extra rows as for the others."""
     if not method.protect or chunk.retrievable is None:
         return None
     score = chunk.retrievable
-    count = min(round(method.protect * chunk.size), int((score > 0).sum()))
+    count = round(method.protect * chunk.size)
+    if method.protect_names > 0:
+        count = min(max(count, int((score >= NAMED).sum())), 2 * count)
+    count = min(count, int((score > 0).sum()))
     keep = torch.zeros(chunk.size, dtype=torch.bool, device=score.device)
     if count > 0:
         keep[score.topk(count).indices] = True
@@ -289,6 +294,9 @@ LONG_VALUE = 5
 """Digit tokens in a row from which ``protect_names`` treats a number as a value with a name (longer than a
 year or a section number)."""
 
+NAMED = 2.5
+"""The lowest :func:`retrievable_scores` score of a named value's tokens (its name; the value scores 3)."""
+
 
 def _named_values(
     value: torch.Tensor, digit: torch.Tensor, word_start: torch.Tensor, names: int
@@ -313,7 +321,7 @@ def _named_values(
             while first > 0 and seen < names:
                 first -= 1
                 seen += int(starts[first])
-            out[first:i] = torch.clamp(out[first:i], min=2.5)
+            out[first:i] = torch.clamp(out[first:i], min=NAMED)
         i = j
     return out
 
