@@ -462,6 +462,88 @@ def test_protect_names_ranks_long_values_and_keeps_their_names():
     assert one[6:9].eq(2.5).all() and torch.equal(one[3:6], plain[3:6])  # names=1: "is: " only
 
 
+def test_record_fields_are_what_follows_a_recurring_phrase_to_the_sentence_end():
+    from kvweave.methods.depthweave.router import RECORD_SPAN, _record_fields
+
+    # "<phrase 1 2 3 4> 50 51 ." three times with other fields, prose between; 30 ends a sentence
+    prose = [[60, 61, 62], [63, 64, 65, 66], [67, 68]]
+    seq, fields = [], set()
+    for k, words in enumerate(prose):
+        seq += words + [1, 2, 3, 4]
+        fields |= {len(seq), len(seq) + 1}
+        seq += [50 + 2 * k, 51 + 2 * k, 30]
+    ends = torch.tensor([t == 30 for t in seq])
+    got = _record_fields(torch.tensor(seq), ends, 3)
+    assert set(got.nonzero().view(-1).tolist()) == fields  # each record's two fields, not the phrase or prose
+    assert not _record_fields(torch.tensor(seq), ends, 5).any()  # a 4-token phrase is not a 5-token one
+    # text that repeats whole (the phrase runs on into the same tokens) has no fields: the run ends where the
+    # copies do, and what follows is not a sentence's end within the span
+    copy = list(range(100, 100 + 3 * RECORD_SPAN))
+    nowhere = torch.zeros(2 * len(copy), dtype=torch.bool)
+    assert not _record_fields(torch.tensor(copy + copy), nowhere, 3).any()
+    # fields that run past RECORD_SPAN without ending a sentence are prose, not a record
+    long = [1, 2, 3, 4] + list(range(200, 200 + RECORD_SPAN + 1)) + [30, 1, 2, 3, 4, 70, 30]
+    got = _record_fields(torch.tensor(long), torch.tensor([t == 30 for t in long]), 3)
+    assert got.nonzero().view(-1).tolist() == [len(long) - 2]
+
+
+def test_protect_records_ranks_the_fields_of_repeated_records_with_named_values():
+    from kvweave.methods.depthweave import retrievable_scores
+
+    words = {1: "ĠOne", 2: "Ġof", 3: "Ġthe", 4: "Ġmagic", 5: "Ġwords", 6: "Ġfor", 7: "Ġis", 8: ":", 9: "."}
+    words |= {20: "Ġwindow", 21: "Ġtiger", 22: "Ġalpha", 23: "Ġbeta"}
+    vocab = _Vocab(words)
+    record = [1, 2, 3, 4, 5, 6]  # "One of the magic words for"
+    prose = [list(range(start, start + 10)) for start in (40, 50, 60)]  # ten different tokens each
+    ids = prose[0] + record + [22, 7, 8, 20, 9] + prose[1] + record + [23, 7, 8, 21, 9] + prose[2]
+    ids = torch.tensor(ids)
+    slots = torch.arange(ids.numel())
+    plain = retrievable_scores(ids, vocab, slots, 1)[0]
+    scored = retrievable_scores(ids, vocab, slots, 1, records=6)[0]
+    fields = [16, 17, 18, 19, 37, 38, 39, 40]  # "alpha is: window", "beta is: tiger"
+    # common words, ranked as named values
+    assert scored[fields].ge(2.5).all() and plain[fields].lt(2.5).all()
+    rest = [i for i in range(ids.numel()) if i not in fields]
+    assert torch.equal(scored[rest], plain[rest])  # the phrase, the full stops and the prose: unchanged
+    assert not retrievable_scores(ids, vocab, slots, 1, records=7)[0].ge(2.5).any()  # a 6-token phrase only
+
+
+def test_protect_records_keeps_common_word_values_exact_through_the_cache(model):
+    ids = torch.tensor([[5, 6, 7, 8] * 24])
+    record = [150, 151, 152, 153]  # "One of the words"
+    for at, value in ((30, 145), (60, 146)):
+        ids[0, at : at + 4] = torch.tensor(record)
+        ids[0, at + 4 : at + 7] = torch.tensor([value, 154, 155])  # " window." / " tiger."
+    # six names elsewhere: rare capitalised words rank above common ones
+    ids[0, 80:86] = torch.arange(100, 106)
+    vocab = _Vocab(
+        {
+            150: "ĠOne",
+            151: "Ġof",
+            152: "Ġthe",
+            153: "Ġwords",
+            154: ".",
+            155: "Ġand",
+            145: "Ġwindow",
+            146: "Ġtiger",
+        }
+        | {100 + i: f"Ġ{name}" for i, name in enumerate(["Paris", "Oslo", "Lima", "Kyiv", "Rome", "Baku"])}
+    )
+    options = {**SMALL, "router": False, "group": 2, "compression": 3.0, "decode_tokens": 0, "protect": 0.05}
+    held = {}
+    for records in (0, 4):
+        cache = kvweave.make_cache("depthweave", model, **{**options, "protect_records": records})
+        cache.set_prompt(ids, vocab)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+        held[records] = set(cache.layers[0].group.rows[0].exact_slots.tolist())
+        assert cache.layers[0].group.summary()["group_compression"] == pytest.approx(3.0, rel=0.25)
+    assert {34, 64} <= held[4]  # both values exact
+    assert not {34, 64} & held[0]  # without records they are folded: common words look like nothing
+    with pytest.raises(ValueError, match="protect_records"):
+        kvweave.make_cache("depthweave:protect_records=-1", model)
+
+
 def test_protect_keeps_digit_tokens_exact_inside_the_budget(model):
     ids = torch.tensor([[5, 6, 7, 8] * 24])
     digits = [40, 41, 42, 70]

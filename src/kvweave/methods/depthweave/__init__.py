@@ -30,7 +30,11 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   digit tokens above shorter numbers and keeps each one's name (the tokens back to the Nth word before it)
   exact with it: in a long generation the needles lost are the wrong key's value, and the names are folded.
   Where the named values need more rows than ``protect``'s fraction (short prompts) they get them, up to twice
-  it; the budget pays as for any exact row.
+  it; the budget pays as for any exact row. ``protect_records=N`` (off, being measured: docs/findings.md,
+  twenty-third session) does the same for values that look like nothing in particular (common words): the
+  fields of a repeated record — the tokens after a phrase of ``N``+ tokens that recurs 2–16 times and goes on
+  differently each time, up to the sentence's end (``One of the special magic words for`` | ``nice-gondola is:
+  window`` | ``.``) — rank with named values.
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
@@ -232,6 +236,13 @@ class DepthWeave(Method):
         "word before them) exact with them, past protect's fraction where they need it, up to twice it (0: off)",
         tuning=True,
     )
+    protect_records: int = option(
+        0,
+        "with protect: keep the fields of repeated records exact, whatever their characters: the tokens after a "
+        "phrase of N+ tokens that recurs 2-16 times and goes on differently each time, to the sentence's end, "
+        "ranked with named values (0: off; being measured)",
+        tuning=True,
+    )
     residual_bits: int = option(
         16, "bits of residual rows: 16 (model dtype) or 8 (INT8, a scale per row and head)"
     )
@@ -375,6 +386,7 @@ class DepthWeave(Method):
         self.check_choice("residual_bits", [16, 8])
         self.check_range("protect", 0.0, 0.5)
         self.check_range("protect_names", 0)
+        self.check_range("protect_records", 0)
         self.check_range("hi_tokens", 0.0, 1.0)
         self.check_range("lo_tokens", 0.0, 1.0 - self.hi_tokens)
         self.check_range("spread", 1.0, 64.0)

@@ -334,7 +334,12 @@ class WeaveGroup(Stateful):
         retrievable = None
         if first == 0 and self.method.protect > 0:
             retrievable = retrievable_scores(
-                context.prompt_ids, context.tokenizer, slots, rows, self.method.protect_names
+                context.prompt_ids,
+                context.tokenizer,
+                slots,
+                rows,
+                self.method.protect_names,
+                self.method.protect_records,
             )
         pad_count: torch.Tensor = owner.pad_count  # type: ignore[assignment]
         padding = slots.view(1, -1) < pad_count.view(-1, 1)

@@ -89,12 +89,12 @@ def protected(chunk: Chunk, method: DepthWeave) -> torch.Tensor | None:
     """``[n]`` bool: the tokens ``protect`` keeps exact (the highest :func:`retrievable_scores`, at most
     ``protect`` of the chunk, positive scores only), or ``None``. With ``protect_names`` every named value
     (scores of :data:`NAMED` and above) is kept whole even past that fraction, up to twice it: the budget
-    pays for the extra rows as for the others."""
+    pays for the extra rows as for the others. ``protect_records``' fields score as named values too."""
     if not method.protect or chunk.retrievable is None:
         return None
     score = chunk.retrievable
     count = round(method.protect * chunk.size)
-    if method.protect_names > 0:
+    if method.protect_names > 0 or method.protect_records > 0:
         count = min(max(count, int((score >= NAMED).sum())), 2 * count)
     count = min(count, int((score > 0).sum()))
     keep = torch.zeros(chunk.size, dtype=torch.bool, device=score.device)
@@ -175,6 +175,12 @@ def _per_token(
     return out
 
 
+def _sentence_end(token: str | None) -> float:
+    """1.0 when ``token`` ends a sentence or a line (``.``, ``?``, ``!``, ``;`` or a newline in it)."""
+    text = token or ""
+    return 1.0 if any(c in text for c in ".?!;\nĊ") else 0.0
+
+
 def _word_start(token: str | None) -> float:
     """1.0 when ``token`` begins a word: a space or newline (byte-level ``Ġ`` / ``Ċ``, SentencePiece ``▁``)
     followed by a letter."""
@@ -197,34 +203,36 @@ DIGITS, IDENTIFIER, WORD, OTHER = 0, 1, 2, 3
 class TokenClasses:
     """What the content rules read of each token id's text, converted once per tokenizer and id.
 
-    ``lookup(ids)`` gives ``[u, 3]``: the :data:`DIGITS` / :data:`IDENTIFIER` / :data:`WORD` / :data:`OTHER`
-    class of each id (what :func:`retrievable_scores` reads), its content flag (:func:`content_scores`) and
+    ``lookup(ids)`` gives ``[u, 4]``: the :data:`DIGITS` / :data:`IDENTIFIER` / :data:`WORD` / :data:`OTHER`
+    class of each id (what :func:`retrievable_scores` reads), its content flag (:func:`content_scores`),
     whether it starts a word (a space or newline, then a letter: ``protect_names`` counts a value's name in
-    words).
+    words) and whether it ends a sentence (``protect_records`` reads a record's fields up to there).
     Ids seen before are read from a table; only new ones go through ``tokenizer.convert_ids_to_tokens``, so a
     decode step or a second prompt costs no tokenizer calls.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.table = torch.zeros(0, 3)  # [vocab so far, 3] float: class, content flag, starts a word
+        # [vocab so far, 4] float: class, content flag, word start, sentence end
+        self.table = torch.zeros(0, 4)
         self.known = torch.zeros(0, dtype=torch.bool)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[u, 3]`` class, content flag and word start of each of ``ids`` (``[u]`` int, on any device; result on CPU)."""
+        """``[u, 4]`` class, content flag, word start and sentence end of each of ``ids`` (``[u]`` int, on any
+        device; result on CPU)."""
         ids = ids.detach().to("cpu", torch.int64)
         if ids.numel() == 0:
-            return torch.zeros(0, 3)
+            return torch.zeros(0, 4)
         top = int(ids.max()) + 1
         if top > self.known.numel():
             grow = top - self.known.numel()
-            self.table = torch.cat([self.table, torch.zeros(grow, 3)])
+            self.table = torch.cat([self.table, torch.zeros(grow, 4)])
             self.known = torch.cat([self.known, torch.zeros(grow, dtype=torch.bool)])
         new = ids[~self.known[ids]].unique()
         if new.numel():
             tokens = self.tokenizer.convert_ids_to_tokens(new.tolist())
             self.table[new] = torch.tensor(
-                [[_token_class(t), _content_flag(t), _word_start(t)] for t in tokens]
+                [[_token_class(t), _content_flag(t), _word_start(t), _sentence_end(t)] for t in tokens]
             )
             self.known[new] = True
         return self.table[ids]
@@ -252,7 +260,12 @@ a UUID's dashes, the key word right before ``: 1234``), at half its score."""
 
 
 def retrievable_scores(
-    prompt_ids: torch.Tensor | None, tokenizer: Any, slots: torch.Tensor, rows: int, names: int = 0
+    prompt_ids: torch.Tensor | None,
+    tokenizer: Any,
+    slots: torch.Tensor,
+    rows: int,
+    names: int = 0,
+    records: int = 0,
 ) -> torch.Tensor | None:
     """``[B, c]`` how much each prompt token looks like a value a reader later asks for, question-agnostic;
     ``None`` without the prompt ids and a tokenizer (``cache.context``, as for :func:`content_scores`).
@@ -267,6 +280,12 @@ def retrievable_scores(
     row scores 3, above years and section numbers, and the tokens before it back to the ``names``-th word
     start (with ``names=2``: ``painstaking-loggia is: `` before ``8579151``) 2.5, above any other digit: what
     tells one such value from another of the same shape is the name a question asks it by.
+
+    ``records > 0`` (DepthWeave's ``protect_records``): the fields of a repeated record score :data:`NAMED` at
+    least (plus a tenth of their score by the rules above), whatever their characters — the tokens after a phrase of ``records`` or more tokens that recurs 2 to
+    :data:`RECORD_COUNT` times in the prompt and is followed by something different each time, up to the end of
+    the sentence (``One of the special magic words for`` | ``painstaking-loggia is: window`` | ``.``); see
+    :func:`_record_fields`.
     """
     if prompt_ids is None or tokenizer is None:
         return None
@@ -285,6 +304,10 @@ def retrievable_scores(
         value = torch.maximum(value, near)  # neighbours of a digit token: 1.0 (half of 2)
         if names > 0:
             value = _named_values(value, digits.view(-1) > 0, table[:, 2][inverse] > 0, names)
+        if records > 0:
+            fields = _record_fields(inverse, table[:, 3][inverse] > 0, records)
+            # ties among fields go to what the other rules rank higher (digits, names, rare words)
+            value = torch.where(fields, torch.maximum(value, NAMED + 0.1 * value), value)
         return value
 
     return _per_token(prompt_ids, slots, rows, score)
@@ -324,6 +347,52 @@ def _named_values(
             out[first:i] = torch.clamp(out[first:i], min=NAMED)
         i = j
     return out
+
+
+RECORD_COUNT = 16
+"""The most times a record's phrase may recur (``protect_records``): more is boilerplate, not a record."""
+
+RECORD_PHRASE = 32
+"""The longest recurring phrase read as a record's template (``protect_records``): longer runs are repeated text."""
+
+RECORD_SPAN = 16
+"""The most tokens of a record's fields after its phrase (``protect_records``), when no sentence ends sooner."""
+
+
+def _record_fields(seq: torch.Tensor, sentence_end: torch.Tensor, length: int) -> torch.Tensor:
+    """``[n]`` bool: the fields of repeated records in ``seq`` (``[n]`` token ids, any integer coding).
+
+    A record's phrase is a run of windows of ``length`` tokens each recurring 2 to :data:`RECORD_COUNT` times,
+    at most :data:`RECORD_PHRASE` tokens long; the run ends where the occurrences go different ways, and the
+    fields are the tokens from there up to the first that ends a sentence (``sentence_end``) or starts another
+    recurring window, at most :data:`RECORD_SPAN`; fields that do not reach a sentence's end there are not a
+    record's (prose that happens to repeat a phrase goes on)."""
+    n = seq.numel()
+    fields = torch.zeros(n, dtype=torch.bool, device=seq.device)
+    if length < 1 or n <= length:
+        return fields
+    windows = seq.unfold(0, length, 1)
+    _, inverse, counts = torch.unique(windows, dim=0, return_inverse=True, return_counts=True)
+    seen = counts[inverse]
+    recurring = (seen >= 2) & (seen <= RECORD_COUNT)  # [n - length + 1], by window start
+    edge = torch.zeros(1, dtype=torch.bool, device=seq.device)
+    firsts = (recurring & ~torch.cat([edge, recurring[:-1]])).nonzero().view(-1).tolist()
+    lasts = (recurring & ~torch.cat([recurring[1:], edge])).nonzero().view(-1).tolist()
+    # token j lies inside a recurring window when one starts in [j - length + 1, j]
+    starts = torch.cat([torch.zeros(1, device=seq.device), recurring.float().cumsum(0)])
+    upto = starts[torch.arange(1, n + 1, device=seq.device).clamp(max=recurring.numel())]
+    since = starts[(torch.arange(n, device=seq.device) - length + 1).clamp(min=0, max=recurring.numel())]
+    ends = sentence_end.tolist()
+    stop = (sentence_end | (upto > since)).tolist()
+    for first, last in zip(firsts, lasts, strict=True):
+        if last - first + length > RECORD_PHRASE:
+            continue
+        begin = j = last + length
+        while j < min(n, begin + RECORD_SPAN) and not stop[j]:
+            j += 1
+        if begin < j < n and ends[j]:  # a record's fields end its sentence
+            fields[begin:j] = True
+    return fields
 
 
 def _token_class(token: str | None) -> int:
