@@ -34,7 +34,7 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   twenty-third session) does the same for values that look like nothing in particular (common words): the
   fields of a repeated record — the tokens after a phrase of ``N``+ tokens that recurs 2–16 times and goes on
   differently each time, up to the sentence's end (``One of the special magic words for`` | ``nice-gondola is:
-  window`` | ``.``) — rank with named values.
+  window`` | ``.``) — rank first among ``protect``'s rows (after named values), inside its fraction.
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
@@ -240,7 +240,7 @@ class DepthWeave(Method):
         0,
         "with protect: keep the fields of repeated records exact, whatever their characters: the tokens after a "
         "phrase of N+ tokens that recurs 2-16 times and goes on differently each time, to the sentence's end, "
-        "ranked with named values (0: off; being measured)",
+        "first among protect's rows after named values (0: off; being measured)",
         tuning=True,
     )
     residual_bits: int = option(

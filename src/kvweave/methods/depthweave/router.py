@@ -89,12 +89,13 @@ def protected(chunk: Chunk, method: DepthWeave) -> torch.Tensor | None:
     """``[n]`` bool: the tokens ``protect`` keeps exact (the highest :func:`retrievable_scores`, at most
     ``protect`` of the chunk, positive scores only), or ``None``. With ``protect_names`` every named value
     (scores of :data:`NAMED` and above) is kept whole even past that fraction, up to twice it: the budget
-    pays for the extra rows as for the others. ``protect_records``' fields score as named values too."""
+    pays for the extra rows as for the others. ``protect_records``' fields rank below named values and above
+    every other token, inside the fraction: a prompt of many records (code) keeps ``protect``'s count."""
     if not method.protect or chunk.retrievable is None:
         return None
     score = chunk.retrievable
     count = round(method.protect * chunk.size)
-    if method.protect_names > 0 or method.protect_records > 0:
+    if method.protect_names > 0:
         count = min(max(count, int((score >= NAMED).sum())), 2 * count)
     count = min(count, int((score > 0).sum()))
     keep = torch.zeros(chunk.size, dtype=torch.bool, device=score.device)
@@ -281,8 +282,9 @@ def retrievable_scores(
     start (with ``names=2``: ``painstaking-loggia is: `` before ``8579151``) 2.5, above any other digit: what
     tells one such value from another of the same shape is the name a question asks it by.
 
-    ``records > 0`` (DepthWeave's ``protect_records``): the fields of a repeated record score :data:`NAMED` at
-    least (plus a tenth of their score by the rules above), whatever their characters — the tokens after a phrase of ``records`` or more tokens that recurs 2 to
+    ``records > 0`` (DepthWeave's ``protect_records``): the fields of a repeated record score :data:`RECORD`
+    at least (plus a tenth of their score by the rules above: below :data:`NAMED`, above any digit), whatever
+    their characters — the tokens after a phrase of ``records`` or more tokens that recurs 2 to
     :data:`RECORD_COUNT` times in the prompt and is followed by something different each time, up to the end of
     the sentence (``One of the special magic words for`` | ``painstaking-loggia is: window`` | ``.``); see
     :func:`_record_fields`.
@@ -307,7 +309,7 @@ def retrievable_scores(
         if records > 0:
             fields = _record_fields(inverse, table[:, 3][inverse] > 0, records)
             # ties among fields go to what the other rules rank higher (digits, names, rare words)
-            value = torch.where(fields, torch.maximum(value, NAMED + 0.1 * value), value)
+            value = torch.where(fields, torch.maximum(value, RECORD + 0.1 * value), value)
         return value
 
     return _per_token(prompt_ids, slots, rows, score)
@@ -319,6 +321,10 @@ year or a section number)."""
 
 NAMED = 2.5
 """The lowest :func:`retrievable_scores` score of a named value's tokens (its name; the value scores 3)."""
+
+RECORD = 2.25
+"""The lowest :func:`retrievable_scores` score of a record's fields (``protect_records``): above every digit
+token, below named values, so they take the first of ``protect``'s rows but never rows past its fraction."""
 
 
 def _named_values(
