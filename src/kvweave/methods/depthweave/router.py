@@ -283,8 +283,8 @@ def retrievable_scores(
     tells one such value from another of the same shape is the name a question asks it by.
 
     ``records > 0`` (DepthWeave's ``protect_records``): the fields of a repeated record score :data:`RECORD`
-    at least (plus a tenth of their score by the rules above: below :data:`NAMED`, above any digit), whatever
-    their characters — the tokens after a phrase of ``records`` or more tokens that recurs 2 to
+    plus :data:`RECORD_STEP` per occurrence of its phrase (a record type seen more often first; below
+    :data:`NAMED`, above any digit), whatever their characters — the tokens after a phrase of ``records`` or more tokens that recurs 2 to
     :data:`RECORD_COUNT` times in the prompt and is followed by something different each time, up to the end of
     the sentence (``One of the special magic words for`` | ``painstaking-loggia is: window`` | ``.``); see
     :func:`_record_fields`.
@@ -307,9 +307,10 @@ def retrievable_scores(
         if names > 0:
             value = _named_values(value, digits.view(-1) > 0, table[:, 2][inverse] > 0, names)
         if records > 0:
-            fields = _record_fields(inverse, table[:, 3][inverse] > 0, records)
-            # ties among fields go to what the other rules rank higher (digits, names, rare words)
-            value = torch.where(fields, torch.maximum(value, RECORD + 0.1 * value), value)
+            seen = _record_fields(inverse, table[:, 3][inverse] > 0, records).to(value.dtype)
+            # records whose phrase recurs more first, then what the other rules rank higher
+            field = RECORD + RECORD_STEP * seen + 0.001 * value
+            value = torch.where(seen > 0, torch.maximum(value, field), value)
         return value
 
     return _per_token(prompt_ids, slots, rows, score)
@@ -322,9 +323,12 @@ year or a section number)."""
 NAMED = 2.5
 """The lowest :func:`retrievable_scores` score of a named value's tokens (its name; the value scores 3)."""
 
-RECORD = 2.25
-"""The lowest :func:`retrievable_scores` score of a record's fields (``protect_records``): above every digit
+RECORD = 2.2
+"""The base :func:`retrievable_scores` score of a record's fields (``protect_records``): above every digit
 token, below named values, so they take the first of ``protect``'s rows but never rows past its fraction."""
+
+RECORD_STEP = 0.015
+"""What each occurrence of a record's phrase adds to its fields' score (at most :data:`RECORD_COUNT`: 2.44)."""
 
 
 def _named_values(
@@ -366,7 +370,8 @@ RECORD_SPAN = 16
 
 
 def _record_fields(seq: torch.Tensor, sentence_end: torch.Tensor, length: int) -> torch.Tensor:
-    """``[n]`` bool: the fields of repeated records in ``seq`` (``[n]`` token ids, any integer coding).
+    """``[n]`` int: for each token of a repeated record's fields in ``seq`` (``[n]`` token ids, any integer
+    coding) how many times its record's phrase occurs; 0 elsewhere.
 
     A record's phrase is a run of windows of ``length`` tokens each recurring 2 to :data:`RECORD_COUNT` times,
     at most :data:`RECORD_PHRASE` tokens long; the run ends where the occurrences go different ways, and the
@@ -374,7 +379,7 @@ def _record_fields(seq: torch.Tensor, sentence_end: torch.Tensor, length: int) -
     recurring window, at most :data:`RECORD_SPAN`; fields that do not reach a sentence's end there are not a
     record's (prose that happens to repeat a phrase goes on)."""
     n = seq.numel()
-    fields = torch.zeros(n, dtype=torch.bool, device=seq.device)
+    fields = torch.zeros(n, dtype=torch.int64, device=seq.device)
     if length < 1 or n <= length:
         return fields
     windows = seq.unfold(0, length, 1)
@@ -390,6 +395,7 @@ def _record_fields(seq: torch.Tensor, sentence_end: torch.Tensor, length: int) -
     since = starts[(torch.arange(n, device=seq.device) - length + 1).clamp(min=0, max=recurring.numel())]
     ends = sentence_end.tolist()
     stop = (sentence_end | (upto > since)).tolist()
+    occurrences = seen.tolist()
     for first, last in zip(firsts, lasts, strict=True):
         if last - first + length > RECORD_PHRASE:
             continue
@@ -397,7 +403,7 @@ def _record_fields(seq: torch.Tensor, sentence_end: torch.Tensor, length: int) -
         while j < min(n, begin + RECORD_SPAN) and not stop[j]:
             j += 1
         if begin < j < n and ends[j]:  # a record's fields end its sentence
-            fields[begin:j] = True
+            fields[begin:j] = occurrences[last]
     return fields
 
 
