@@ -13,7 +13,6 @@ import argparse
 import json
 
 from kvweave.eval import runner
-from kvweave.eval import tasks as task_lib
 from kvweave.models import load_model
 
 
@@ -39,16 +38,7 @@ def main() -> None:
     for trial in runner.plan(config):
         if trial.trial != args.trial:
             continue
-        sample = task_lib.make_sample(
-            trial.task,
-            tokenizer,
-            trial.context,
-            depth=trial.depth,
-            seed=trial.seed,
-            haystack=config.haystack_for(trial.task),
-            data_dir=config.data_dir,
-        )
-        row = runner.run_trial(model, tokenizer, config, trial, sample)
+        row = runner.run_trial(model, tokenizer, config, trial, config.sample(trial, tokenizer))
         print(
             json.dumps({k: row[k] for k in ("method", "trial", "score", "prediction", "compression")}),
             flush=True,

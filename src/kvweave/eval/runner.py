@@ -130,6 +130,18 @@ class EvalConfig:
         spec = task_lib.TASKS[task]
         return self.haystack if self.haystack in spec.haystacks else None
 
+    def sample(self, trial: Trial, tokenizer: Any) -> task_lib.Sample:
+        """The prompt of ``trial`` (its task, length, depth and seed, this config's haystack and data)."""
+        return task_lib.make_sample(
+            trial.task,
+            tokenizer,
+            trial.context,
+            depth=trial.depth,
+            seed=trial.seed,
+            haystack=self.haystack_for(trial.task),
+            data_dir=self.data_dir,
+        )
+
 
 @dataclasses.dataclass
 class Trial:
@@ -884,15 +896,7 @@ def run(
         for member in group:
             sample_key = (member.task, member.context, member.trial)
             if sample_key not in samples:
-                samples[sample_key] = task_lib.make_sample(
-                    member.task,
-                    tokenizer,
-                    member.context,
-                    depth=member.depth,
-                    seed=member.seed,
-                    haystack=config.haystack_for(member.task),
-                    data_dir=config.data_dir,
-                )
+                samples[sample_key] = config.sample(member, tokenizer)
 
         def fed(done: int, total: int, label: str = label) -> None:
             bar.set_postfix_str(f"{label}, generated {done}/{total}")
