@@ -500,18 +500,29 @@ def test_protect_records_ranks_the_fields_of_repeated_records_above_digits():
     words |= {20: "Ġwindow", 21: "Ġtiger", 22: "Ġalpha", 23: "Ġbeta"}
     vocab = _Vocab(words)
     record = [1, 2, 3, 4, 5, 6]  # "One of the magic words for"
-    prose = [list(range(start, start + 10)) for start in (40, 50, 60)]  # ten different tokens each
+    prose = [list(range(start, start + 100)) for start in (100, 200, 300)]  # a hundred different tokens each
     ids = prose[0] + record + [22, 7, 8, 20, 9] + prose[1] + record + [23, 7, 8, 21, 9] + prose[2]
     ids = torch.tensor(ids)
     slots = torch.arange(ids.numel())
     plain = retrievable_scores(ids, vocab, slots, 1)[0]
     scored = retrievable_scores(ids, vocab, slots, 1, records=6)[0]
-    fields = [16, 17, 18, 19, 37, 38, 39, 40]  # "alpha is: window", "beta is: tiger"
+    fields = [at + k for at in (106, 217) for k in range(4)]  # "alpha is: window", "beta is: tiger"
+    assert ids[fields].tolist() == [22, 7, 8, 20, 23, 7, 8, 21]
     # common words, ranked above digits and below named values
     assert scored[fields].gt(2.0).all() and scored[fields].lt(2.5).all() and plain[fields].lt(2.0).all()
     rest = [i for i in range(ids.numel()) if i not in fields]
     assert torch.equal(scored[rest], plain[rest])  # the phrase, the full stops and the prose: unchanged
     assert not retrievable_scores(ids, vocab, slots, 1, records=7)[0].gt(2.0).any()  # a 6-token phrase only
+    # a prompt of records throughout (fields past RECORD_SHARE of its tokens, as in code) singles none out
+    from kvweave.methods.depthweave.router import RECORD_SHARE, _record_fields
+
+    dense = torch.cat([ids[:50], ids[100:161], ids[200:]])
+    assert int(_record_fields(dense, dense == 9, 6).gt(0).sum()) == len(fields)  # the same two records
+    assert (len(fields) / dense.numel() > RECORD_SHARE) and (len(fields) / ids.numel() <= RECORD_SHARE)
+    assert torch.equal(
+        retrievable_scores(dense, vocab, slots[: dense.numel()], 1, records=6)[0],
+        retrievable_scores(dense, vocab, slots[: dense.numel()], 1)[0],
+    )
 
 
 def test_protect_records_keeps_common_word_values_exact_through_the_cache(model):

@@ -34,7 +34,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   twenty-third session) does the same for values that look like nothing in particular (common words): the
   fields of a repeated record — the tokens after a phrase of ``N``+ tokens that recurs 2–16 times and goes on
   differently each time, up to the sentence's end (``One of the special magic words for`` | ``nice-gondola is:
-  window`` | ``.``) — rank first among ``protect``'s rows (after named values), inside its fraction.
+  window`` | ``.``) — rank first among ``protect``'s rows (after named values), inside its fraction; a prompt
+  of records throughout (fields past 3 % of its tokens: code, reference docs) has none singled out.
 - Ranks: attention-output probes (the last ``probe`` prompt queries of every layer attend over the chunk with
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
@@ -240,7 +241,8 @@ class DepthWeave(Method):
         0,
         "with protect: keep the fields of repeated records exact, whatever their characters: the tokens after a "
         "phrase of N+ tokens that recurs 2-16 times and goes on differently each time, to the sentence's end, "
-        "first among protect's rows after named values (0: off; being measured)",
+        "first among protect's rows after named values; none where fields are over 3% of the prompt (code) "
+        "(0: off; being measured)",
         tuning=True,
     )
     residual_bits: int = option(

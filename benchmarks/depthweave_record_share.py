@@ -1,0 +1,98 @@
+"""How much of each eval prompt ``depthweave:protect_records`` reads as record fields, beside ``protect``'s rows.
+
+For every trial of a ``kvweave eval`` plan (the same samples, by task, context, trial count, haystack and
+``--question-aware``) this writes one JSON line: the prompt's tokens, ``protect``'s rows at the default fraction,
+the tokens ``protect_names`` marks as named values, the record fields found, those of them not named values
+already with their share of the prompt (what the :data:`~kvweave.methods.depthweave.router.RECORD_SHARE` gate
+reads), and the fields singled out after it. Tokenizer only:
+no model runs. Example (the figures in docs/findings.md, twenty-fourth session)::
+
+    KVWEAVE_DATA=../shared/data python benchmarks/depthweave_record_share.py --context 4096,8192 \\
+        --out runs/record-share.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kvweave.eval import runner
+from kvweave.methods.depthweave import router
+
+# (label, task, haystack, question_aware): the tables protect_records was measured on
+CASES = [
+    ("common words, essays", "niah_multiquery_common", "essays", False),
+    ("hex, essays", "niah_multivalue_hex", "essays", False),
+    ("common words, question in the prompt", "niah_multiquery_common", "essays", True),
+    ("common words, pydoc", "niah_multiquery_common", "pydoc", False),
+    ("multi-query numbers, essays", "niah_multiquery", "essays", False),
+    ("code", "code", None, False),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="whose tokenizer reads the prompts")
+    parser.add_argument("--context", default="4096", help="comma-separated context lengths (default 4096)")
+    parser.add_argument("--trials", type=int, default=6, help="trials per task (default 6, as the tables)")
+    parser.add_argument("--records", type=int, default=6, help="protect_records' phrase length (default 6)")
+    parser.add_argument("--protect", type=float, default=0.02, help="protect's fraction (default 0.02)")
+    parser.add_argument("--out", type=Path, help="JSONL file (default: standard output)")
+    args = parser.parse_args()
+    try:
+        contexts = [int(c) for c in args.context.split(",")]
+    except ValueError:
+        parser.error(f"--context {args.context!r}: give comma-separated integers, e.g. 4096,8192")
+    from transformers import AutoTokenizer
+
+    from kvweave.models import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
+    out = args.out.open("w") if args.out else sys.stdout
+    for label, task, haystack, question_aware in CASES:
+        config = runner.EvalConfig(
+            model=args.model,
+            tasks=[task],
+            contexts=contexts,
+            methods=["full"],
+            trials=args.trials,
+            haystack=haystack,
+            question_aware=question_aware,
+        )
+        for trial in runner.plan(config):
+            prefill, _ = runner.build_prompt(tokenizer, config.sample(trial, tokenizer), question_aware)
+            ids = torch.as_tensor(prefill).view(-1)
+            n = ids.numel()
+            slots = torch.arange(n)
+            score = router.retrievable_scores(ids, tokenizer, slots, 1, names=2, records=args.records)[0]
+            table = router.token_classes(tokenizer).lookup(torch.unique(ids))
+            _, inverse = torch.unique(ids, return_inverse=True)
+            found = router._record_fields(inverse, table[:, 3][inverse] > 0, args.records)
+            fields = int(found.gt(0).sum())
+            # what the gate reads: fields that are not named values already (those take rows either way)
+            plain = router.retrievable_scores(ids, tokenizer, slots, 1, names=2)[0]
+            contested = int((found.gt(0) & (plain < router.NAMED)).sum())
+            row = {
+                "case": label,
+                "task": task,
+                "context": trial.context,
+                "trial": trial.trial,
+                "tokens": n,
+                "protect_rows": round(args.protect * n),
+                "named": int((score >= router.NAMED).sum()),
+                "fields": fields,
+                "contested": contested,
+                "share": round(contested / n, 4),
+                "singled_out": int(((score >= router.RECORD) & (score < router.NAMED)).sum()),
+            }
+            print(json.dumps(row), file=out, flush=True)
+    if args.out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
