@@ -59,5 +59,5 @@ vllm-bench: models  ## vLLM under load: requests/s, TTFT and TPOT per method and
 	    $(VLLM_BENCH_ARGS) --out $${VLLM_BENCH_OUT:-runs/vllm-load}; \
 	else echo "vllm-bench: skipped (no working .venv-vllm; see the vllm-env line above)"; fi
 
-longgen: models  ## issue #30's long-generation table (1K/4K/8K generated tokens, every method; hours on 2 CPUs; rerun to resume)
+longgen: models  ## issue #30's long-generation table (1K/4K/8K generated tokens, the baselines (DepthWeave's are done); hours on 2 CPUs; rerun to resume)
 	@bash scripts/longgen.sh

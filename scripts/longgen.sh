@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #30's long-generation table: NIAH multi-key at 2K, then 1K / 4K / 8K teacher-forced generated tokens,
-# then the question, qwen2.5-coder-0.5b, 6 trials, every method (docs/results.md, "2K tokens"). Hours on 2 CPUs:
+# then the question, qwen2.5-coder-0.5b, 6 trials, every baseline (docs/results.md, "2K tokens"). Hours on 2 CPUs:
 # every step resumes (finished rows are skipped, a batch killed mid-feed goes on from its last checkpoint), so
 # rerun it until it prints "longgen: complete". Rows go to runs/longgen-2k-{1k-batch6,4k-v5,8k-v5}; a folder
 # missing there starts from the committed rows in docs/data/runs (the same samples). Copy the rows back to
@@ -14,7 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KVWEAVE=${KVWEAVE:-.venv/bin/kvweave}
 SHARED_DATA=${SHARED_DATA:-../shared/data}
-METHODS=${LONGGEN_METHODS:-depthweave,full,quant,dkcache,xkv,snapkv,h2o}
+# DepthWeave's columns are complete: its default since spec version 6 is the rows written as
+# depthweave:protect_names=2 (spec version 5), and the folders' "depthweave" rows are the version-5 default
+# (protect_names=0), which a resume with today's "depthweave" refuses as another configuration.
+METHODS=${LONGGEN_METHODS:-full,quant,dkcache,xkv,snapkv,h2o}
 
 column() {  # column NAME GENERATED DATA(builtin|shared)
   local name=$1 generated=$2 data=$3 out=runs/longgen-2k-$1

@@ -105,6 +105,15 @@ RUNS_16K_NOW = tuple(f"docs/data/bench/bench-16k-v{n}.jsonl" for n in (7, 8))
 """The five-round runs of the 16K point since DK-Cache's blocked INT8 kernel and one-pass softmax (tenth
 session): the same command as :data:`RUNS_16K`, the code of today."""
 
+LONGGEN_ROWS: dict[int, str | tuple[str, ...]] = {
+    1024: "docs/data/runs/longgen-2k-1k-batch6/rows.jsonl",
+    4096: ("docs/data/runs/longgen-2k-4k/rows.jsonl", "docs/data/runs/longgen-2k-4k-v5/rows.jsonl"),
+    8192: "docs/data/runs/longgen-2k-8k-v5/rows.jsonl",
+}
+"""The long-generation table's rows by generated tokens (``scripts/longgen.sh``; `full`'s 4K trials 0-1 are in
+the first run of that column)."""
+
+
 HEADLINES: dict[str, Headline] = {
     **{
         f"{short}-16k-speed": Headline(
@@ -179,8 +188,8 @@ HEADLINES: dict[str, Headline] = {
         "docs/data/bench/bench-16k.jsonl", "dkcache:bits=16", "speedup", "{:.2f}x", (("context", 16384),)
     ),
     "dw-mq-4k-score": Headline(
-        "docs/data/runs/dw20-mq-4k-b/rows.jsonl",
-        "depthweave:protect=0.02",
+        "docs/data/runs/dw-names-mq-4k/rows.jsonl",
+        "depthweave:protect_names=2",
         "score",
         "{:.0f} %",
         (("task", "niah_multiquery"), ("context", 4096)),
@@ -188,16 +197,16 @@ HEADLINES: dict[str, Headline] = {
         scale=100,
     ),
     "dw-mq-4k-compression": Headline(
-        "docs/data/runs/dw20-mq-4k-b/rows.jsonl",
-        "depthweave:protect=0.02",
+        "docs/data/runs/dw-names-mq-4k/rows.jsonl",
+        "depthweave:protect_names=2",
         "compression",
         "{:.1f}x",
         (("task", "niah_multiquery"), ("context", 4096)),
         summary="range",
     ),
     "dw-mk-4k-score": Headline(
-        "docs/data/runs/dw20-mk-4k/rows.jsonl",
-        "depthweave",
+        "docs/data/runs/dw-names-mk-4k/rows.jsonl",
+        "depthweave:protect_names=2",
         "score",
         "{:.0f} %",
         (("task", "niah_multikey"), ("context", 4096)),
@@ -205,8 +214,8 @@ HEADLINES: dict[str, Headline] = {
         scale=100,
     ),
     "dw-mk-4k-compression": Headline(
-        "docs/data/runs/dw20-mk-4k/rows.jsonl",
-        "depthweave",
+        "docs/data/runs/dw-names-mk-4k/rows.jsonl",
+        "depthweave:protect_names=2",
         "compression",
         "{:.1f}x",
         (("task", "niah_multikey"), ("context", 4096)),
@@ -446,6 +455,21 @@ HEADLINES: dict[str, Headline] = {
             (("context", context),),
         )
         for context in (8192, 16384)
+    },
+    **{
+        f"longgen-{short}-{n // 1024}k-{what}": Headline(
+            LONGGEN_ROWS[n],
+            method,
+            field,
+            fmt,
+            (("task", "niah_multikey"), ("generated", n)),
+            summary="mean" if field == "score" else "range",
+            scale=100 if field == "score" else 1,
+        )
+        for n in LONGGEN_ROWS
+        for short, method in (("full", "full"), ("dw", "depthweave:protect_names=2"))
+        for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
+        if (short, what) != ("full", "compression")
     },
     **{
         f"code4k-{short}": Headline(

@@ -26,9 +26,10 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   on every path (each forward pass of a prepared model hands its ``input_ids`` over, :mod:`kvweave.prompt`), the
   tokenizer from ``load_model`` or ``make_cache(..., tokenizer=)``; ``cache.set_prompt`` overrides both. Exact rows are always attended
   (selective decode never skips them) and the byte budget pays for them (the ranks drop to fit).
-  ``protect_names=N`` (off by default, being measured: docs/findings.md, twenty-first session) ranks values of 5+
-  digit tokens above shorter numbers and keeps each one's name (the tokens back to the Nth word before it)
-  exact with it: in a long generation the needles lost are the wrong key's value, and the names are folded.
+  ``protect_names=N`` (default 2 since spec version 6; 0 turns it off: docs/findings.md, twenty-first to
+  twenty-fourth sessions) ranks values of 5+ digit tokens above shorter numbers and keeps each one's name (the
+  tokens back to the Nth word before it) exact with it: in a long generation the needles lost were the wrong
+  key's value, and the names were folded.
   Where the named values need more rows than ``protect``'s fraction (short prompts) they get them, up to twice
   it; the budget pays as for any exact row. ``protect_records=N`` (off, being measured: docs/findings.md,
   twenty-third session) does the same for values that look like nothing in particular (common words): the
@@ -232,7 +233,7 @@ class DepthWeave(Method):
         "identifiers, rare names: read from the prompt's tokens); counted in the compression budget",
     )
     protect_names: int = option(
-        0,
+        2,
         "with protect: rank values of 5+ digit tokens first and keep their names (the tokens back to the Nth "
         "word before them) exact with them, past protect's fraction where they need it, up to twice it (0: off)",
         tuning=True,
