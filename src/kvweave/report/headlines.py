@@ -130,6 +130,13 @@ HEADLINES: dict[str, Headline] = {
     "dk-16k-of-bound-now": Headline(
         RUNS_16K_NOW, "dkcache", "of_bound", "{:.0%}", (("context", 16384),), summary="range"
     ),
+    **{
+        f"{short}-16k-{what}-v6": Headline(
+            "docs/data/bench/bench-16k-v9.jsonl", method, field, "{:.2f}x", (("context", 16384),)
+        )
+        for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
+        for what, field in (("speed", "speedup"), ("bound", "bound"))
+    },
     "dw-16k-bound": Headline(
         "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "bound", "{:.2f}x", (("context", 16384),)
     ),
