@@ -371,8 +371,8 @@ RECORD_PHRASE = 32
 
 RECORD_SHARE = 0.03
 """The largest share of a prompt's tokens that may be record fields (``protect_records``; fields that are named
-values already do not count): past it the prompt reads as records throughout (code, reference docs: 3.8-8.8 %
-of their tokens on the eval's prompts, against 0.9-2.1 % for prose with a few facts planted in it;
+values already do not count): past it the prompt reads as records throughout (code, reference docs: 3.8-8.7 %
+of their tokens on the eval's prompts, against 0.3-2.1 % for prose with a few facts planted in it;
 ``benchmarks/depthweave_record_share.py``) and no field is singled out: its rows go to what the other rules rank."""
 
 RECORD_SPAN = 16
