@@ -463,13 +463,16 @@ HEADLINES: dict[str, Headline] = {
         )
         for context in (8192, 16384)
     },
-    "dw-prefill-8k-v6": Headline(
-        "docs/data/bench/bench-prefill-v6.jsonl",
-        "depthweave",
-        "prefill_vs_full",
-        "{:.2f}x",
-        (("context", 8192),),
-    ),
+    **{
+        f"dw-prefill-{context // 1024}k-v6": Headline(
+            "docs/data/bench/bench-prefill-v6.jsonl",
+            "depthweave",
+            "prefill_vs_full",
+            "{:.2f}x",
+            (("context", context),),
+        )
+        for context in (8192, 16384)
+    },
     **{
         f"longgen-{short}-{n // 1024}k-{what}": Headline(
             LONGGEN_ROWS[n],
