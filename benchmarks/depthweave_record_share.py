@@ -9,6 +9,8 @@ no model runs. Example (the figures in docs/findings.md, twenty-fourth session):
 
     KVWEAVE_DATA=../shared/data python benchmarks/depthweave_record_share.py --context 4096,8192 \\
         --out runs/record-share.jsonl
+    # the long-generation task's 1K column drew from the built-in word lists (KVWEAVE_DATA unset)
+    python benchmarks/depthweave_record_share.py --case "long generation" >> runs/record-share.jsonl
 """
 
 from __future__ import annotations
@@ -21,16 +23,24 @@ from pathlib import Path
 import torch
 
 from kvweave.eval import runner
+from kvweave.eval import tasks as task_lib
 from kvweave.methods.depthweave import router
 
-# (label, task, haystack, question_aware): the tables protect_records was measured on
-CASES = [
-    ("common words, essays", "niah_multiquery_common", "essays", False),
-    ("hex, essays", "niah_multivalue_hex", "essays", False),
-    ("common words, question in the prompt", "niah_multiquery_common", "essays", True),
-    ("common words, pydoc", "niah_multiquery_common", "pydoc", False),
-    ("multi-query numbers, essays", "niah_multiquery", "essays", False),
-    ("code", "code", None, False),
+# (label, task, haystack, question_aware, contexts): the tables protect_records was measured on, at --context
+# (contexts None); then issue #30's point-5 tables (their default haystack, pydoc), also at --context; then the
+# long-generation task's prompt (multi-key at 2K: what is prefilled before the generated tokens), at 2,048 only
+CASES: list[tuple[str, str, str | None, bool, list[int] | None]] = [
+    ("common words, essays", "niah_multiquery_common", "essays", False, None),
+    ("hex, essays", "niah_multivalue_hex", "essays", False, None),
+    ("common words, question in the prompt", "niah_multiquery_common", "essays", True, None),
+    ("common words, pydoc", "niah_multiquery_common", "pydoc", False, None),
+    ("multi-query numbers, essays", "niah_multiquery", "essays", False, None),
+    ("code", "code", None, False, None),
+    ("multi-key numbers, pydoc", "niah_multikey", None, False, None),
+    ("multi-query numbers, pydoc", "niah_multiquery", None, False, None),
+    ("word, pydoc", "niah_word", None, False, None),
+    ("uuid, pydoc", "niah_uuid", None, False, None),
+    ("long generation's prompt (multi-key, pydoc)", "niah_multikey", None, False, [2048]),
 ]
 
 
@@ -41,6 +51,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=6, help="trials per task (default 6, as the tables)")
     parser.add_argument("--records", type=int, default=6, help="protect_records' phrase length (default 6)")
     parser.add_argument("--protect", type=float, default=0.02, help="protect's fraction (default 0.02)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        help="only the cases whose label contains this text (repeatable; default every case)",
+    )
     parser.add_argument("--out", type=Path, help="JSONL file (default: standard output)")
     args = parser.parse_args()
     try:
@@ -53,11 +69,15 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
     out = args.out.open("w") if args.out else sys.stdout
-    for label, task, haystack, question_aware in CASES:
+    cases = [case for case in CASES if not args.case or any(part in case[0] for part in args.case)]
+    if not cases:
+        labels = "; ".join(case[0] for case in CASES)
+        parser.error(f"--case {args.case}: no case's label contains it; the labels: {labels}")
+    for label, task, haystack, question_aware, fixed in cases:
         config = runner.EvalConfig(
             model=args.model,
             tasks=[task],
-            contexts=contexts,
+            contexts=fixed or contexts,
             methods=["full"],
             trials=args.trials,
             haystack=haystack,
@@ -81,6 +101,7 @@ def main() -> None:
                 "task": task,
                 "context": trial.context,
                 "trial": trial.trial,
+                "word_lists": task_lib.word_lists(config.data_dir),
                 "tokens": n,
                 "protect_rows": round(args.protect * n),
                 "named": int((score >= router.NAMED).sum()),
