@@ -11,6 +11,11 @@ no model runs. Example (the figures in docs/findings.md, twenty-fourth session):
         --out runs/record-share.jsonl
     # the long-generation task's 1K column drew from the built-in word lists (KVWEAVE_DATA unset)
     python benchmarks/depthweave_record_share.py --case "long generation" >> runs/record-share.jsonl
+    python benchmarks/depthweave_record_share.py --soak >> runs/record-share.jsonl   # the soak's prompt
+
+``names_changes`` / ``records_changes`` count the tokens whose score ``protect_names=2`` (against 0) and
+``protect_records`` (against ``protect_names=2`` alone) change: 0 means that option's rows are the rows without
+it, token for token, since both act only on the prompt's scores at prefill.
 """
 
 from __future__ import annotations
@@ -44,6 +49,32 @@ CASES: list[tuple[str, str, str | None, bool, list[int] | None]] = [
 ]
 
 
+def prompt_row(ids: torch.Tensor, tokenizer: object, records: int, protect: float) -> dict[str, object]:
+    """What ``protect``'s rules read in one prompt's ``ids``: named values, record fields, the gate's share, the
+    fields singled out, and how many tokens' scores each option changes (0: its rows are the option-off rows)."""
+    n = ids.numel()
+    slots = torch.arange(n)
+    off = router.retrievable_scores(ids, tokenizer, slots, 1)[0]
+    plain = router.retrievable_scores(ids, tokenizer, slots, 1, names=2)[0]
+    score = router.retrievable_scores(ids, tokenizer, slots, 1, names=2, records=records)[0]
+    table = router.token_classes(tokenizer).lookup(torch.unique(ids))
+    _, inverse = torch.unique(ids, return_inverse=True)
+    found = router._record_fields(inverse, table[:, 3][inverse] > 0, records)
+    # what the gate reads: fields that are not named values already (those take rows either way)
+    contested = int((found.gt(0) & (plain < router.NAMED)).sum())
+    return {
+        "tokens": n,
+        "protect_rows": round(protect * n),
+        "named": int((score >= router.NAMED).sum()),
+        "fields": int(found.gt(0).sum()),
+        "contested": contested,
+        "share": round(contested / n, 4),
+        "singled_out": int(((score >= router.RECORD) & (score < router.NAMED)).sum()),
+        "names_changes": int((plain != off).sum()),  # protect_names=2 against 0
+        "records_changes": int((score != plain).sum()),  # protect_records against protect_names=2 alone
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="whose tokenizer reads the prompts")
@@ -57,6 +88,15 @@ def main() -> None:
         default=[],
         help="only the cases whose label contains this text (repeatable; default every case)",
     )
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="instead, the soak's prompt (benchmarks/soak.py's stream): one row",
+    )
+    parser.add_argument(
+        "--soak-model", default="smollm2-135m", help="the soak's model (default smollm2-135m)"
+    )
+    parser.add_argument("--soak-prompt", type=int, default=512, help="the soak's --prompt (default 512)")
     parser.add_argument("--out", type=Path, help="JSONL file (default: standard output)")
     args = parser.parse_args()
     try:
@@ -70,7 +110,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
     out = args.out.open("w") if args.out else sys.stdout
     cases = [case for case in CASES if not args.case or any(part in case[0] for part in args.case)]
-    if not cases:
+    if args.soak:
+        cases = []
+    elif not cases:
         labels = "; ".join(case[0] for case in CASES)
         parser.error(f"--case {args.case}: no case's label contains it; the labels: {labels}")
     for label, task, haystack, question_aware, fixed in cases:
@@ -85,32 +127,23 @@ def main() -> None:
         )
         for trial in runner.plan(config):
             prefill, _ = runner.build_prompt(tokenizer, config.sample(trial, tokenizer), question_aware)
-            ids = torch.as_tensor(prefill).view(-1)
-            n = ids.numel()
-            slots = torch.arange(n)
-            score = router.retrievable_scores(ids, tokenizer, slots, 1, names=2, records=args.records)[0]
-            table = router.token_classes(tokenizer).lookup(torch.unique(ids))
-            _, inverse = torch.unique(ids, return_inverse=True)
-            found = router._record_fields(inverse, table[:, 3][inverse] > 0, args.records)
-            fields = int(found.gt(0).sum())
-            # what the gate reads: fields that are not named values already (those take rows either way)
-            plain = router.retrievable_scores(ids, tokenizer, slots, 1, names=2)[0]
-            contested = int((found.gt(0) & (plain < router.NAMED)).sum())
             row = {
                 "case": label,
                 "task": task,
                 "context": trial.context,
                 "trial": trial.trial,
                 "word_lists": task_lib.word_lists(config.data_dir),
-                "tokens": n,
-                "protect_rows": round(args.protect * n),
-                "named": int((score >= router.NAMED).sum()),
-                "fields": fields,
-                "contested": contested,
-                "share": round(contested / n, 4),
-                "singled_out": int(((score >= router.RECORD) & (score < router.NAMED)).sum()),
             }
+            row.update(prompt_row(torch.as_tensor(prefill).view(-1), tokenizer, args.records, args.protect))
             print(json.dumps(row), file=out, flush=True)
+    if args.soak:  # the soak's prompt (benchmarks/soak.py: the first --prompt tokens of its stream)
+        import soak
+
+        soak_tokenizer = AutoTokenizer.from_pretrained(resolve(args.soak_model))
+        stream = soak.token_stream(soak_tokenizer, len(soak_tokenizer), args.soak_prompt + 1)
+        row = {"case": "the soak's prompt", "model": args.soak_model, "context": args.soak_prompt}
+        row.update(prompt_row(stream[0, : args.soak_prompt], soak_tokenizer, args.records, args.protect))
+        print(json.dumps(row), file=out, flush=True)
     if args.out:
         out.close()
 
