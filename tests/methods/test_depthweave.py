@@ -561,6 +561,38 @@ def test_protect_records_keeps_common_word_values_exact_through_the_cache(model)
         kvweave.make_cache("depthweave:protect_records=-1", model)
 
 
+def test_protect_records_past_the_share_changes_nothing_in_the_cache(model):
+    """A prompt whose record fields pass RECORD_SHARE (code, reference docs) gets protect_names' cache exactly:
+    the same exact rows and the same logits after it (what the findings' ``records_changes == 0`` rests on)."""
+    ids = torch.tensor([[5, 6, 7, 8] * 24])
+    for phrase, places in (
+        ([150, 151, 152, 153], ((30, 145), (60, 146))),
+        ([120, 121, 122, 123], ((10, 124), (45, 125))),
+    ):
+        for at, value in places:
+            ids[0, at : at + 4] = torch.tensor(phrase)
+            ids[0, at + 4 : at + 6] = torch.tensor([value, 154])  # " window." ...
+    words = {150: "ĠOne", 151: "Ġof", 152: "Ġthe", 153: "Ġwords", 154: ".", 145: "Ġwindow", 146: "Ġtiger"}
+    words |= {120: "ĠA", 121: "Ġname", 122: "Ġto", 123: "Ġkeep", 124: "Ġriver", 125: "Ġstone"}
+    vocab = _Vocab(words)
+    from kvweave.methods.depthweave.router import RECORD_SHARE, _record_fields
+
+    fields = _record_fields(ids[0], ids[0] == 154, 4).gt(0)
+    assert fields.float().mean() > RECORD_SHARE  # four fields in 96 tokens: read as records throughout
+    options = {**SMALL, "router": False, "group": 2, "compression": 3.0, "decode_tokens": 0, "protect": 0.05}
+    held, logits = {}, {}
+    for records in (0, 4):
+        cache = kvweave.make_cache("depthweave", model, **{**options, "protect_records": records})
+        cache.set_prompt(ids, vocab)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+            out = model(torch.tensor([[9]]), **{cache_kwarg(model): cache})
+        held[records] = cache.layers[0].group.rows[0].exact_slots.tolist()
+        logits[records] = out.logits
+    assert held[4] == held[0]
+    assert torch.equal(logits[4], logits[0])
+
+
 def test_protect_keeps_digit_tokens_exact_inside_the_budget(model):
     ids = torch.tensor([[5, 6, 7, 8] * 24])
     digits = [40, 41, 42, 70]
