@@ -12,6 +12,7 @@ no model runs. Example (the figures in docs/findings.md, twenty-fourth session):
     # the long-generation task's 1K column drew from the built-in word lists (KVWEAVE_DATA unset)
     python benchmarks/depthweave_record_share.py --case "long generation" >> runs/record-share.jsonl
     python benchmarks/depthweave_record_share.py --soak >> runs/record-share.jsonl   # the soak's prompt
+    python benchmarks/depthweave_record_share.py --bench --context 8192,16384,32768 >> runs/record-share.jsonl
 
 ``names_changes`` / ``records_changes`` count the tokens whose score ``protect_names=2`` (against 0) and
 ``protect_records`` (against ``protect_names=2`` alone) change: 0 means that option's rows are the rows without
@@ -94,6 +95,9 @@ def main() -> None:
         help="instead, the soak's prompt (benchmarks/soak.py's stream): one row",
     )
     parser.add_argument(
+        "--bench", action="store_true", help="instead, kvweave bench's prompt at each --context: one row each"
+    )
+    parser.add_argument(
         "--soak-model", default="smollm2-135m", help="the soak's model (default smollm2-135m)"
     )
     parser.add_argument("--soak-prompt", type=int, default=512, help="the soak's --prompt (default 512)")
@@ -110,7 +114,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve(args.model))
     out = args.out.open("w") if args.out else sys.stdout
     cases = [case for case in CASES if not args.case or any(part in case[0] for part in args.case)]
-    if args.soak:
+    if args.soak or args.bench:
         cases = []
     elif not cases:
         labels = "; ".join(case[0] for case in CASES)
@@ -135,6 +139,14 @@ def main() -> None:
                 "word_lists": task_lib.word_lists(config.data_dir),
             }
             row.update(prompt_row(torch.as_tensor(prefill).view(-1), tokenizer, args.records, args.protect))
+            print(json.dumps(row), file=out, flush=True)
+    if args.bench:  # kvweave bench's prompt (kvweave.eval.bench.prompt: pydoc prose) at each --context
+        from kvweave.eval.bench import prompt
+
+        for context in contexts:
+            ids = prompt(tokenizer, len(tokenizer), context, 1, "cpu")[0]
+            row = {"case": "kvweave bench's prompt", "model": args.model, "context": context}
+            row.update(prompt_row(ids, tokenizer, args.records, args.protect))
             print(json.dumps(row), file=out, flush=True)
     if args.soak:  # the soak's prompt (benchmarks/soak.py: the first --prompt tokens of its stream)
         import soak
