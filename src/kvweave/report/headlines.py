@@ -454,23 +454,14 @@ HEADLINES: dict[str, Headline] = {
         if (short, task_short) not in (("none", "pk"), ("dw1024", "pk"))  # not run on passkey
     },
     **{
-        f"dw-prefill-{context // 1024}k": Headline(
-            "docs/data/bench/bench-prefill-v5.jsonl",
+        f"dw-prefill-{context // 1024}k{suffix}": Headline(
+            f"docs/data/bench/bench-prefill-{version}.jsonl",
             "depthweave",
             "prefill_vs_full",
             "{:.2f}x",
             (("context", context),),
         )
-        for context in (8192, 16384)
-    },
-    **{
-        f"dw-prefill-{context // 1024}k-v6": Headline(
-            "docs/data/bench/bench-prefill-v6.jsonl",
-            "depthweave",
-            "prefill_vs_full",
-            "{:.2f}x",
-            (("context", context),),
-        )
+        for suffix, version in (("", "v5"), ("-v6", "v6"))
         for context in (8192, 16384)
     },
     **{
