@@ -195,8 +195,8 @@ HEADLINES: dict[str, Headline] = {
         "docs/data/bench/bench-16k.jsonl", "dkcache:bits=16", "speedup", "{:.2f}x", (("context", 16384),)
     ),
     "dw-mq-4k-score": Headline(
-        "docs/data/runs/dw-names-mq-4k/rows.jsonl",
-        "depthweave:protect_names=2",
+        "docs/data/runs/dw-records-mq-4k/rows.jsonl",
+        "depthweave:protect_names=2,protect_records=6",
         "score",
         "{:.0f} %",
         (("task", "niah_multiquery"), ("context", 4096)),
@@ -204,16 +204,31 @@ HEADLINES: dict[str, Headline] = {
         scale=100,
     ),
     "dw-mq-4k-compression": Headline(
-        "docs/data/runs/dw-names-mq-4k/rows.jsonl",
-        "depthweave:protect_names=2",
+        "docs/data/runs/dw-records-mq-4k/rows.jsonl",
+        "depthweave:protect_names=2,protect_records=6",
         "compression",
         "{:.1f}x",
         (("task", "niah_multiquery"), ("context", 4096)),
         summary="range",
     ),
+    **{
+        f"{short}-mq-4k-score": Headline(
+            f"docs/data/runs/{folder}/rows.jsonl",
+            method,
+            "score",
+            "{:.0f} %",
+            (("task", "niah_multiquery"), ("context", 4096)),
+            summary="mean",
+            scale=100,
+        )
+        for short, folder, method in (
+            ("full", "dw20-mq-4k", "full"),
+            ("dw6", "dw-names-mq-4k", "depthweave:protect_names=2"),
+        )
+    },
     "dw-mk-4k-score": Headline(
-        "docs/data/runs/dw-names-mk-4k/rows.jsonl",
-        "depthweave:protect_names=2",
+        "docs/data/runs/dw-v7-mk-4k/rows.jsonl",
+        "depthweave",
         "score",
         "{:.0f} %",
         (("task", "niah_multikey"), ("context", 4096)),
@@ -221,8 +236,8 @@ HEADLINES: dict[str, Headline] = {
         scale=100,
     ),
     "dw-mk-4k-compression": Headline(
-        "docs/data/runs/dw-names-mk-4k/rows.jsonl",
-        "depthweave:protect_names=2",
+        "docs/data/runs/dw-v7-mk-4k/rows.jsonl",
+        "depthweave",
         "compression",
         "{:.1f}x",
         (("task", "niah_multikey"), ("context", 4096)),
@@ -475,9 +490,30 @@ HEADLINES: dict[str, Headline] = {
             scale=100 if field == "score" else 1,
         )
         for n in LONGGEN_ROWS
-        for short, method in (("full", "full"), ("dw", "depthweave:protect_names=2"))
+        for short, method in (("full", "full"), ("dw", "depthweave:protect_records=6"))
         for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
         if (short, what) != ("full", "compression")
+    },
+    **{
+        f"rec8k-{short}-{task_short}": Headline(
+            f"docs/data/runs/records-8k-{folder}/rows.jsonl",
+            method,
+            "score",
+            "{:.0f} %",
+            (("task", task), ("context", 8192)),
+            summary="mean",
+            scale=100,
+        )
+        for short, method in (
+            ("full", "full"),
+            ("dw", "depthweave:protect_records=6"),
+            ("v6", "depthweave"),
+        )
+        for task_short, task, folder in (
+            ("common", "niah_multiquery_common", "values"),
+            ("hex", "niah_multivalue_hex", "values"),
+            ("qa", "niah_multiquery_common", "qa"),
+        )
     },
     **{
         f"code4k-{short}": Headline(

@@ -15,7 +15,12 @@ from typing import Any
 from kvweave.registry import METHODS, convert_option
 
 LEGACY_DEFAULTS: dict[str, dict[int, dict[str, Any]]] = {
-    "depthweave": {2: {"decode_tokens": 0}, 4: {"protect": 0.0}, 6: {"protect_names": 0}},
+    "depthweave": {
+        2: {"decode_tokens": 0},
+        4: {"protect": 0.0},
+        6: {"protect_names": 0},
+        7: {"protect_records": 0},
+    },
     "dkcache": {2: {"bits": 16, "decouple": True}, 3: {"storage": "model"}},
     "h2o": {3: {"storage": "model"}},
     "keydiff": {3: {"storage": "model"}},
@@ -38,7 +43,7 @@ teacher-forced tokens, or stepwise perplexity) read with the old value; other ro
 today, so a short answer's recorded value of such an option counts only where its spec set it."""
 
 
-SPEC_VERSION = 6
+SPEC_VERSION = 7
 """Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
 current option names or defaults, and :func:`canonical_spec` reads them with :data:`LEGACY_DEFAULTS`.
 Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
@@ -46,7 +51,8 @@ version 3: exact tokens stored at 16 bits on float32 models (every method's ``st
 DepthWeave keeps retrievable-looking prompt tokens exact (``protect=0.02``); version 5: DepthWeave's recent
 buffer holds its unfolded tokens beyond ``recent`` as 4-bit blocks and takes more of the generated tokens'
 budget (``middle_bits=4``, ``recent_share=0.8``; long generations only: :data:`LONG_GENERATION_DEFAULTS`);
-version 6: DepthWeave keeps long numbers' names exact with them (``protect_names=2``)."""
+version 6: DepthWeave keeps long numbers' names exact with them (``protect_names=2``); version 7: DepthWeave keeps
+the fields of repeated records exact, whatever their characters (``protect_records=6``)."""
 
 
 def canonical_spec(

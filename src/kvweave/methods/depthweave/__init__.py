@@ -31,8 +31,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   tokens back to the Nth word before it) exact with it: in a long generation the needles lost were the wrong
   key's value, and the names were folded.
   Where the named values need more rows than ``protect``'s fraction (short prompts) they get them, up to twice
-  it; the budget pays as for any exact row. ``protect_records=N`` (off, being measured: docs/findings.md,
-  twenty-third session) does the same for values that look like nothing in particular (common words): the
+  it; the budget pays as for any exact row. ``protect_records=N`` (default 6 since spec version 7; 0 turns
+  it off: docs/findings.md, twenty-third to twenty-sixth sessions) does the same for values that look like nothing in particular (common words): the
   fields of a repeated record — the tokens after a phrase of ``N``+ tokens that recurs 2–16 times and goes on
   differently each time, up to the sentence's end (``One of the special magic words for`` | ``nice-gondola is:
   window`` | ``.``) — rank first among ``protect``'s rows (after named values), inside its fraction; a prompt
@@ -239,11 +239,11 @@ class DepthWeave(Method):
         tuning=True,
     )
     protect_records: int = option(
-        0,
+        6,
         "with protect: keep the fields of repeated records exact, whatever their characters: the tokens after a "
         "phrase of N+ tokens that recurs 2-16 times and goes on differently each time, to the sentence's end, "
         "first among protect's rows after named values; none where fields are over 3% of the prompt (code) "
-        "(0: off; being measured)",
+        "(0: off)",
         tuning=True,
     )
     residual_bits: int = option(
