@@ -85,6 +85,8 @@ class CacheContext(Stateful):
         self.rope_tables: dict[str, RopeTable] = {}  # by layer type
         self.recorded: dict[int, Any] = {}  # kvweave.eval.prefill: each layer's recorded prefill step
         self._step: tuple[Any, tuple[int, int, int], StepPositions] | None = None
+        # a method's decode-time state derived from what is saved (DepthWeave's recall), rebuilt after a load
+        self.decode_state: Any = None
         self._warned: set[str] = set()
 
     @property
@@ -210,6 +212,13 @@ class KVCache(Cache):
                 "signal) see token ids but not their text; pass kvweave.make_cache(method, model, "
                 "tokenizer=tokenizer) or load the model with kvweave.load_model",
             )
+
+    def before_forward(self, decoder: Any) -> None:
+        """Called by the prepared model's pre-hook after :meth:`observe_input_ids`, before the layers run: the
+        method's ``before_forward(cache, decoder)`` where it has one (DepthWeave's ``recall``)."""
+        hook = getattr(self.method, "before_forward", None)
+        if hook is not None:
+            hook(self, decoder)
 
     def rotary_for(self, layer_idx: int) -> Rotary:
         """The model's rotary embedding for ``layer_idx`` (error if the model has none)."""

@@ -83,6 +83,9 @@ def _observe_inputs(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
         ids = args[0]
     observe(ids)
+    before = getattr(cache, "before_forward", None)
+    if before is not None:
+        before(module)
 
 
 def chat_text(tokenizer: Any, content: str) -> str | None:

@@ -1130,3 +1130,89 @@ def test_middle_tier_follows_row_reorders_and_multi_token_steps(model):
                 assert held.positions[0].tolist() == list(range(seen - held.count(), seen))
         logits = model(ids[:, :1], **{cache_kwarg(model): cache}).logits
     assert torch.isfinite(logits).all()
+
+
+# -- recall: a copied passage rebuilt from its token ids
+
+
+def _copy_stream(seed: int = 0) -> torch.Tensor:
+    """48 prompt ids, 150 other ids, then the prompt's ids 4..43 again (a copy a decode step can match)."""
+    torch.manual_seed(seed)
+    prompt = torch.randint(3, 150, (1, 48))
+    return torch.cat([prompt, torch.randint(3, 150, (1, 150)), prompt[:, 4:44]], dim=1)
+
+
+def _feed(model, cache, stream, start, stop, watch=()):
+    """Feed ``stream[start:stop]`` one id per step; the logits of each step, and layer 0's recall at ``watch``."""
+    kw = cache_kwarg(model)
+    logits, seen = [], {}
+    with torch.no_grad():
+        for t in range(start, stop):
+            logits.append(model(stream[:, t : t + 1], **{kw: cache}).logits[0, -1])
+            if t in watch:
+                seen[t] = dict(cache.layers[0].recall), cache.nbytes()
+    return torch.stack(logits), seen
+
+
+def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(model):
+    """Once a decode step's newest ids repeat earlier ones, every DepthWeave layer holds the passage that followed
+    them, rebuilt from its ids at its positions: with its whole context inside CONTEXT, the keys and values a full
+    cache holds there. Before the copy nothing differs; the rebuilt bytes count in nbytes()."""
+    from kvweave.methods.depthweave.recall import BEFORE
+
+    stream = _copy_stream()
+    caches = {}
+    for recall in (0, 4):
+        cache = kvweave.make_cache("depthweave", model, recall=recall, **SMALL)
+        with torch.no_grad():
+            model(stream[:, :48], **{cache_kwarg(model): cache})
+        caches[recall] = (cache, *_feed(model, cache, stream, 48, stream.shape[1] - 1, watch=(197, 210)))
+    (_, off, _), (cache, on, seen) = caches[0], caches[4]
+    assert torch.equal(off[:150], on[:150])  # no copy yet: the same logits
+    assert not seen[197][0]  # nothing rebuilt before the copy
+    held, held_bytes = seen[210]
+    keys, values, slots = held[0]
+    # slot 198 copies the prompt's slot 4: at step 210 the newest 4 ids are slots 13-16's, the copy reads 17 next
+    assert int(slots[0]) == max(0, 8 - BEFORE) and int(slots[0]) <= 17 < int(slots[-1])
+    reference = _reference_kv(model, stream[:, : int(slots[-1]) + 1])
+    for layer, (exact_k, exact_v) in enumerate(reference):
+        keys, values, _ = cache.layers[layer].recall[0] if layer else held[0]
+        torch.testing.assert_close(keys.float(), exact_k[:, slots], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(values.float(), exact_v[:, slots], atol=2e-3, rtol=2e-3)
+    rebuilt = sum(t.nbytes for layer in cache.layers for held_ in layer.recall.values() for t in held_)
+    assert rebuilt > 0 and held_bytes >= rebuilt
+    assert not torch.equal(off[150:], on[150:])  # the copy's steps attend to the rebuilt passage
+
+
+def test_recall_attends_each_position_once():
+    """A rebuilt part hides the stored entries of its slots: rebuilt entries equal to the stored ones give the
+    attention of the stores alone."""
+    from kvweave.methods.depthweave.parts import DensePart, attend_parts
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+    stored = DensePart(keys[:, :10], values[:, :10], torch.arange(10))
+    recent = DensePart(keys[:, 10:], values[:, 10:], torch.arange(10, 12))
+    query = torch.randn(4, 1, 8)
+    alone, _ = attend_parts(query, [stored, recent], None, 12, 0.3, recent_parts=1)
+    rebuilt = DensePart(keys[:, 3:7], values[:, 3:7], torch.arange(3, 7))
+    once, _ = attend_parts(query, [rebuilt, stored, recent], None, 12, 0.3, recent_parts=1, recall_parts=1)
+    torch.testing.assert_close(once, alone)
+    twice, _ = attend_parts(query, [rebuilt, stored, recent], None, 12, 0.3, recent_parts=1)
+    assert not torch.allclose(twice, alone)  # without hiding, slots 3-6 would count twice
+
+
+def test_recall_goes_on_after_a_save_and_load(model, tmp_path):
+    """Recall's index is derived from the saved ids: a cache saved before a copy and loaded rebuilds the
+    passage as the one never saved does, with the same logits."""
+    stream = _copy_stream(1)
+    cache = kvweave.make_cache("depthweave", model, recall=4, **SMALL)
+    with torch.no_grad():
+        model(stream[:, :48], **{cache_kwarg(model): cache})
+    _feed(model, cache, stream, 48, 190)
+    kvweave.save_cache(cache, model, tmp_path / "kv")
+    loaded, _ = kvweave.load_cache(tmp_path / "kv", model)
+    went_on, _ = _feed(model, cache, stream, 190, stream.shape[1] - 1)
+    resumed, seen = _feed(model, loaded, stream, 190, stream.shape[1] - 1, watch=(215,))
+    assert seen[215][0]  # rebuilt after the load
+    torch.testing.assert_close(resumed, went_on)

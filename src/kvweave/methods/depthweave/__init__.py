@@ -133,6 +133,7 @@ from kvweave.methods.depthweave.ranks import (
     next_rank,
     other_side,
 )
+from kvweave.methods.depthweave.recall import Recall
 from kvweave.methods.depthweave.router import (
     POOL,
     content_scores,
@@ -312,6 +313,12 @@ class DepthWeave(Method):
     weighting: float = option(
         1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean", tuning=True
     )
+    recall: int = option(
+        0,
+        "decode steps whose newest N ids occurred before rebuild the passage that followed them from its token "
+        "ids (one forward pass over it) and attend to it while the copy goes on; 0: off (being measured)",
+        tuning=True,
+    )
     storage: str = option(
         "auto",
         "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "
@@ -364,6 +371,7 @@ class DepthWeave(Method):
         ({"kernel": "cuda"}, "kernel"),
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
+        ({"recall": 1}, "recall"),
     )
 
     def __post_init__(self) -> None:
@@ -390,6 +398,11 @@ class DepthWeave(Method):
         self.check_range("protect", 0.0, 0.5)
         self.check_range("protect_names", 0)
         self.check_range("protect_records", 0)
+        if self.recall == 1 or self.recall < 0:
+            raise ValueError(
+                f"{self.name}: option recall={self.recall!r} is out of range; allowed 0 (off) or 2 and more "
+                "(the ids a copy must match)"
+            )
         self.check_range("hi_tokens", 0.0, 1.0)
         self.check_range("lo_tokens", 0.0, 1.0 - self.hi_tokens)
         self.check_range("spread", 1.0, 64.0)
@@ -439,6 +452,16 @@ class DepthWeave(Method):
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of everything stored at 16 bits (``model``: the model's own, also when it is float32)."""
         return storage_dtype(self.storage, model_dtype)
+
+    def before_forward(self, cache: KVCache, decoder: Any) -> None:
+        """Before each forward pass (its ids observed): ``recall``'s copy detection and rebuilds
+        (:mod:`kvweave.methods.depthweave.recall`)."""
+        if self.recall <= 0:
+            return
+        state = cache.context.decode_state
+        if not isinstance(state, Recall):
+            state = cache.context.decode_state = Recall(self.recall)
+        state.step(cache, decoder)
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> DepthWeaveLayer:
         return DepthWeaveLayer(cache, layer_idx, self)

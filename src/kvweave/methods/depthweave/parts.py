@@ -79,9 +79,11 @@ def attend_parts(
     scaling: float,
     masses: list[torch.Tensor] | None = None,
     recent_parts: int = 1,
+    recall_parts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's attention over ``parts`` (the last ``recent_parts`` hold the recent buffer, the exact tokens
-    last).
+    last; the first ``recall_parts`` hold rebuilt tokens, whose slots the parts between them and the buffer then
+    hide: each position is attended once).
 
     ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
     of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
@@ -104,6 +106,11 @@ def attend_parts(
             for v, p in zip(valid, parts, strict=True)
         ]
         visible = visible & torch.cat(flags, dim=1).unsqueeze(1)
+    if recall_parts:
+        rebuilt = sum(p.slots.shape[-1] for p in parts[:recall_parts])
+        stored = slots.shape[1] - sum(p.slots.shape[-1] for p in parts[len(parts) - recent_parts :])
+        hidden = torch.isin(slots[:, rebuilt:stored], slots[0, :rebuilt])  # [H, n]
+        visible[..., rebuilt:stored] &= ~hidden.unsqueeze(1)
     visible = visible.repeat(1, g, 1)  # [H, g·q, N], rows ordered (query head, query) like ``packed``
     probs = masked_softmax(logits, visible)  # padding queries (nothing visible): zero weights, never used
     out = torch.zeros(h, g * q_len, d, device=query.device)

@@ -1,0 +1,157 @@
+"""Recall (``depthweave:recall=N``): a passage the text starts copying, re-materialised from its token ids.
+
+A compressed cache keeps what an induction head needs to copy an old passage no better than a window does: on
+the soak's copy stretch (docs/findings.md, seventeenth and twenty-sixth sessions) DepthWeave at 8x, and even at
+4x, loses it. The token ids of every position are held anyway (the router and ``protect`` read them). So when
+the last ``N`` ids of a decode step occurred before, the passage that followed that earlier occurrence is
+rebuilt: the model runs once over it (:data:`BEFORE` tokens before the source to :data:`AFTER` after it, with
+:data:`CONTEXT` tokens of context before that, at their own positions), and each DepthWeave layer attends to
+the rebuilt keys and values in place of what its stores hold for those positions, for as long as the copy goes
+on (:data:`FRESH` steps after the last match). A copy that runs past the rebuilt span rebuilds the next one.
+
+What is rebuilt is not the exact KV (the passage sees :data:`CONTEXT` tokens of context, not everything before
+it), and it is held beside the compressed stores while it is used: those bytes count in ``nbytes()``, as do
+the token ids, and are given back when the copy ends. Decode steps only (one new token per row); a prompt's own
+repeats are the prompt's. Derived state: never saved; a loaded cache rebuilds the index from its ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvweave.cache import KVCache
+
+BEFORE = 16
+"""Tokens rebuilt before a copy's source (the context the copied tokens' keys were written in)."""
+
+AFTER = 64
+"""Tokens rebuilt from a copy's source on: the span a copy can run through before the next rebuild."""
+
+CONTEXT = 64
+"""Tokens of context the model sees before a rebuilt span (not kept)."""
+
+FRESH = 32
+"""Decode steps a rebuilt span stays after the last step that matched a copy."""
+
+
+HASH = 1_000_003
+"""The multiplier of the n-gram hash (64-bit, wrapping)."""
+
+
+def ngram_hashes(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[len(ids) - n + 1]`` int64 hashes of the windows of ``n`` ids of ``ids: [L]`` (wrapping arithmetic)."""
+    count = ids.numel() - n + 1
+    hashes = torch.zeros(max(count, 0), dtype=torch.int64, device=ids.device)
+    for j in range(n):
+        hashes = hashes * HASH + ids[j : j + count].to(torch.int64)
+    return hashes
+
+
+@dataclass
+class RowRecall:
+    """One batch row: the hashes of its ids' n-grams (``hashes[i]``: the window ending at slot ``i + n - 1``), the
+    span held (``[start, stop)`` slots) and the step after which it is dropped."""
+
+    hashes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    span: tuple[int, int] | None = None
+    until: int = -1
+
+    def source(self, ids: torch.Tensor, n: int) -> int | None:
+        """The slot after the last earlier occurrence of the newest ``n`` of ``ids: [L]`` (where a copy reads
+        next), or ``None``; hashes the windows not yet hashed first (one per decode step)."""
+        newest = ids.numel() - 1
+        done = self.hashes.numel()  # windows ending at slots n-1 .. n-2+done
+        if done < newest - n + 2:
+            fresh = ngram_hashes(ids[done:], n)
+            self.hashes = torch.cat([self.hashes.to(fresh.device), fresh])
+        if newest < n:
+            return None
+        earlier = self.hashes[: newest - n + 1]  # windows that end before the newest id
+        tail = ids[newest - n + 1 :]
+        for i in reversed((earlier == self.hashes[newest - n + 1]).nonzero().flatten().tolist()):
+            if torch.equal(ids[i : i + n], tail):  # not a hash collision
+                return i + n
+        return None
+
+
+class Recall:
+    """A DepthWeave cache's recall state: per batch row, its :class:`RowRecall`; the rebuilt keys and values
+    live on the layers that attend to them (``DepthWeaveLayer.recall``, counted in their bytes)."""
+
+    def __init__(self, ngram: int) -> None:
+        self.ngram = ngram
+        self.rows: list[RowRecall] = []
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The n-gram hashes held (8 bytes per token and row)."""
+        return [row.hashes for row in self.rows]
+
+    def step(self, cache: KVCache, decoder: Any) -> None:
+        """Before a forward pass of ``cache``'s model (its ids already observed): on a decode step, match each
+        row's newest ids against its earlier ones, rebuild a span where a copy starts or outruns its span, and
+        drop spans whose copy has ended."""
+        ids = cache.context.prompt_ids
+        layers = [layer for layer in cache.layers if hasattr(layer, "recall")]
+        if ids is None or not layers:
+            return
+        ids = ids.view(1, -1) if ids.dim() == 1 else ids
+        seen = cache.get_seq_length()  # slots before this pass
+        if ids.shape[-1] != seen + 1:  # a prefill, a multi-token step, or ids that do not line up: no recall
+            return
+        while len(self.rows) < ids.shape[0]:
+            self.rows.append(RowRecall())
+        pads = layers[0].pad_count
+        exact_from = seen - layers[0].recent_count()  # the recent buffer: exact already
+        for b, row in enumerate(self.rows[: ids.shape[0]]):
+            pad = int(pads[b]) if pads is not None and b < pads.numel() else 0
+            source = row.source(ids[b], self.ngram)
+            if source is not None and pad <= source < exact_from - BEFORE:
+                row.until = seen + FRESH
+                if row.span is None or not row.span[0] <= source < row.span[1] - BEFORE:
+                    start, stop = max(pad, source - BEFORE), min(exact_from, source + AFTER)
+                    self.rebuild(cache, decoder, layers, b, pad, start, stop)
+                    row.span = (start, stop)
+            elif source is not None and row.span is not None:
+                row.until = seen + FRESH  # the copy goes on inside the span, or into the exact buffer
+            if row.span is not None and seen >= row.until:
+                row.span = None
+                for layer in layers:
+                    layer.recall.pop(b, None)
+
+    @staticmethod
+    def rebuild(
+        cache: KVCache, decoder: Any, layers: list[Any], row: int, pad: int, start: int, stop: int
+    ) -> None:
+        """Run ``decoder`` over row ``row``'s ids of slots ``[start - CONTEXT, stop)`` (not before its padding)
+        from no cache, at their positions, and hand each layer its keys and values of ``[start, stop)``."""
+        from transformers import DynamicCache
+
+        from kvweave._compat import cache_kwarg
+
+        first = max(pad, start - CONTEXT)
+        ids = cache.context.prompt_ids
+        assert ids is not None
+        ids = ids.view(1, -1) if ids.dim() == 1 else ids
+        segment = ids[row : row + 1, first:stop].to(layers[0].device)
+        positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
+        rebuilt = DynamicCache(config=decoder.config)
+        with torch.no_grad():
+            decoder(
+                input_ids=segment, position_ids=positions, use_cache=True, **{cache_kwarg(decoder): rebuilt}
+            )
+        slots = torch.arange(start, stop, device=segment.device)
+        for layer in layers:
+            held = rebuilt.layers[layer.layer_idx]
+            dtype = layer.method.storage_dtype(held.keys.dtype)
+            keys = held.keys[0, :, start - first :].to(dtype)
+            values = held.values[0, :, start - first :].to(dtype)
+            layer.recall[row] = (keys, values, slots)
+
+
+def recall_tensors(layer: Any) -> list[torch.Tensor]:
+    """The rebuilt keys, values and slots ``layer`` holds (for its byte count)."""
+    return [t for held in getattr(layer, "recall", {}).values() for t in held]
