@@ -90,17 +90,20 @@ def score_chunk(model: Any, past: KV, ids: torch.Tensor, start: int) -> torch.Te
     return out.logits[0].float()
 
 
-def sources(ids: list[int], begin: int, stop: int, ngram: int) -> dict[int, int]:
+def sources(ids: list[int], begin: int, stop: int, ngram: int, blind: bool = False) -> dict[int, int]:
     """For each copyable position ``p`` in ``[begin, stop)`` (see :func:`soak_copy.copyable`): the position of the
-    latest earlier token that followed the same ``ngram`` tokens (where the copy reads from)."""
+    latest earlier token that followed the same ``ngram`` tokens (where the copy reads from). ``blind``: for
+    every ``p`` whose preceding ``ngram`` tokens occurred before, the latest such occurrence, whatever token
+    followed it (what a cache can know before the token arrives: ``depthweave:recall``'s match)."""
     where: dict[tuple[int, ...], int] = {}
     first = 0
     found = {}
+    width = ngram if blind else ngram + 1
     for p in range(begin, stop):
         while first < p - ngram:
-            where[tuple(ids[first : first + ngram + 1])] = first + ngram
+            where[tuple(ids[first : first + width])] = first + ngram
             first += 1
-        key = tuple(ids[p - ngram : p + 1])
+        key = tuple(ids[p - ngram : p - ngram + width])
         if key in where:
             found[p] = where[key]
     return found
@@ -194,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         "--after", type=int, default=256, help="span tokens after a copy's source (default 256)"
     )
     parser.add_argument(
+        "--blind",
+        action="store_true",
+        help="match the preceding NGRAM tokens only, not the token that follows (what a cache knows in time)",
+    )
+    parser.add_argument(
         "--fresh",
         type=int,
         default=None,
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = token_stream(tokenizer, model.config.vocab_size, args.begin + args.steps + 1)
     ids = stream[0].tolist()
     marks = copyable(ids, args.begin + 1, args.begin + args.steps + 1, args.ngram)
-    found = sources(ids, args.begin + 1, args.begin + args.steps + 1, args.ngram)
+    found = sources(ids, args.begin + 1, args.begin + args.steps + 1, args.ngram, blind=args.blind)
     found = {p - 1: q - 1 for p, q in found.items()}  # the token before each copied one, and its source's
     logits, full_kv = forward_kv(model, stream[:, : args.begin + args.steps], 0)
     targets = stream[0, args.begin + 1 : args.begin + args.steps + 1]
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     "before": args.before,
                     "after": args.after,
                     "fresh": args.fresh,
+                    "blind": args.blind,
                     "command": " ".join(sys.argv),
                 }
                 handle.write(json.dumps(row) + "\n")

@@ -5,7 +5,7 @@ The soak's stream (``benchmarks/soak.py``: CPython's documentation prose) repeat
 smollm2-135m, a passage the stream carried ~4,000 tokens before (generated tokens, not the prompt): ``full``'s
 loss there drops well below its usual level, while a cache that cannot read that passage back (``window``) does
 not. This script loads the cache a soak saved (``--state``), sets options that change only how decode steps
-read the cache (``decode_tokens``, ``pin_tokens``, ``page``; they do not change what is stored), and decodes
+read the cache (``decode_tokens``, ``pin_tokens``, ``page``, ``recall``; they do not change what is stored), and decodes
 ``--steps`` more tokens of the same stream for each variant, writing per variant the interval loss over every
 token and over the *copyable* tokens (those whose preceding ``--ngram`` tokens occurred earlier in the stream).
 
@@ -37,8 +37,9 @@ import kvweave  # noqa: E402
 from kvweave._compat import cache_kwarg  # noqa: E402
 from kvweave.models import load_model  # noqa: E402
 
-READ_OPTIONS = ("decode_tokens", "pin_tokens", "page")
-"""Options that change how a decode step reads a DepthWeave cache, not what it stores."""
+READ_OPTIONS = ("decode_tokens", "pin_tokens", "page", "recall")
+"""Options that change how a decode step reads a DepthWeave cache, not what it stores (``recall`` holds a
+rebuilt passage beside the stores while a copy goes on; ``recall=0`` turns it off from the saved state on)."""
 
 
 def copyable(ids: list[int], start: int, stop: int, ngram: int) -> list[bool]:
