@@ -1170,6 +1170,9 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     (_, off, _), (cache, on, seen) = caches[0], caches[4]
     assert torch.equal(off[:150], on[:150])  # no copy yet: the same logits
     assert not seen[197][0]  # nothing rebuilt before the copy
+    # what recall reads is counted: the ids (8 bytes each) and one 8-byte hash per 4-gram, 198 ids at step 197
+    ids_and_hashes = 198 * 8 + (198 - 4 + 1) * 8
+    assert seen[197][1] - caches[0][2][197][1] == ids_and_hashes
     held, held_bytes = seen[210]
     keys, values, slots = held[0]
     # slot 198 copies the prompt's slot 4: at step 210 the newest 4 ids are slots 13-16's, the copy reads 17 next
