@@ -37,7 +37,7 @@ import kvweave  # noqa: E402
 from kvweave._compat import cache_kwarg  # noqa: E402
 from kvweave.models import load_model  # noqa: E402
 
-READ_OPTIONS = ("decode_tokens", "pin_tokens", "page", "recall")
+READ_OPTIONS = ("decode_tokens", "pin_tokens", "page", "recall", "recall_bits")
 """Options that change how a decode step reads a DepthWeave cache, not what it stores (``recall`` holds a
 rebuilt passage beside the stores while a copy goes on; ``recall=0`` turns it off from the saved state on)."""
 

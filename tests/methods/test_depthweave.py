@@ -1163,7 +1163,7 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     stream = _copy_stream()
     caches = {}
     for recall in (0, 4):
-        cache = kvweave.make_cache("depthweave", model, recall=recall, **SMALL)
+        cache = kvweave.make_cache("depthweave", model, recall=recall, recall_bits=16, **SMALL)
         with torch.no_grad():
             model(stream[:, :48], **{cache_kwarg(model): cache})
         caches[recall] = (cache, *_feed(model, cache, stream, 48, stream.shape[1] - 1, watch=(197, 210)))
@@ -1176,15 +1176,41 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     held, held_bytes = seen[210]
     keys, values, slots = held[0]
     # slot 198 copies the prompt's slot 4: at step 210 the newest 4 ids are slots 13-16's, the copy reads 17 next
-    assert int(slots[0]) == max(0, 8 - BEFORE) and int(slots[0]) <= 17 < int(slots[-1])
+    assert int(slots[0]) == 0 and 17 < int(slots[-1]) + 1 - BEFORE
     reference = _reference_kv(model, stream[:, : int(slots[-1]) + 1])
+    torch.testing.assert_close(keys.float(), reference[0][0][:, slots], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(values.float(), reference[0][1][:, slots], atol=2e-3, rtol=2e-3)
+    reference = _reference_kv(model, stream)  # every layer's span at the last step (the copy goes on)
     for layer, (exact_k, exact_v) in enumerate(reference):
-        keys, values, _ = cache.layers[layer].recall[0] if layer else held[0]
+        keys, values, slots = cache.layers[layer].recall[0]
+        assert int(slots[0]) - 64 <= 0  # its whole context rebuilt
         torch.testing.assert_close(keys.float(), exact_k[:, slots], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(values.float(), exact_v[:, slots], atol=2e-3, rtol=2e-3)
     rebuilt = sum(t.nbytes for layer in cache.layers for held_ in layer.recall.values() for t in held_)
     assert rebuilt > 0 and held_bytes >= rebuilt
     assert not torch.equal(off[150:], on[150:])  # the copy's steps attend to the rebuilt passage
+
+
+def test_recall_holds_its_passage_as_4_bit_blocks_by_default(model):
+    """``recall_bits=4`` (the default): the rebuilt passage is held in whole blocks of the middle tier's layout,
+    near the full cache's keys and values (4-bit codes), for about a third of the 16-bit bytes."""
+    from kvweave.methods.depthweave.middle import MIDDLE_BLOCK, MiddleBlocks
+
+    stream = _copy_stream()
+    held = {}
+    for bits in (4, 16):
+        cache = kvweave.make_cache("depthweave", model, recall=4, recall_bits=bits, **SMALL)
+        with torch.no_grad():
+            model(stream[:, :48], **{cache_kwarg(model): cache})
+        held[bits] = _feed(model, cache, stream, 48, 212, watch=(210,))[1][210][0][0]
+    blocks, slots = held[4]
+    assert isinstance(blocks, MiddleBlocks) and slots.numel() % MIDDLE_BLOCK == 0
+    keys, values = blocks.dense(0)
+    exact_k, exact_v = _reference_kv(model, stream[:, : int(slots[-1]) + 1])[0]
+    assert (keys - exact_k[:, slots]).norm() / exact_k[:, slots].norm() < 0.15
+    assert (values - exact_v[:, slots]).norm() / exact_v[:, slots].norm() < 0.15
+    per_token = sum(t.nbytes for t in blocks.tensors()) / slots.numel()
+    assert per_token < 0.5 * held[16][0][:, :1].nbytes * 2  # keys and values of one token at 16 bits
 
 
 def test_recall_attends_each_position_once():

@@ -84,6 +84,7 @@ class XKV(DepthWeave):
     invalid_options: ClassVar[tuple[tuple[dict[str, Any], str], ...]] = (
         ({"protect": 0.02}, "protect"),
         ({"router": True}, "router"),
+        ({"recall": 8}, "recall"),
         ({"group": 3}, "group"),
         ({"compression": 0.5}, "compression"),
         ({"value_rank": 0.0}, "value_rank"),
@@ -92,7 +93,11 @@ class XKV(DepthWeave):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name, off in (("protect", 0.0), ("router", False)):  # they read token ids, which xKV never sees
+        for name, off in (
+            ("protect", 0.0),
+            ("router", False),
+            ("recall", 0),
+        ):  # they read token ids, which xKV never sees
             if getattr(self, name) != off:
                 raise ValueError(
                     f"{self.name}: option {name}={getattr(self, name)!r} is DepthWeave's, not xKV's; "

@@ -41,6 +41,11 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
   group holds, recent buffer, exact rows and indices included, against a 16-bit full cache of the group).
+- ``recall=N`` (off, being measured: docs/findings.md, twenty-sixth session): when a decode step's newest ``N``
+  ids occurred before, the passage that followed them is rebuilt from its token ids (one forward pass, 64 tokens
+  of context) and attended in place of its stored form while the copy goes on, as 4-bit blocks
+  (``recall_bits``); the bytes count while held (:mod:`kvweave.methods.depthweave.recall`). Transformers paths
+  only: vLLM's ``depthweave`` sees no ids; untested with tensor parallel.
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
@@ -319,6 +324,11 @@ class DepthWeave(Method):
         "ids (one forward pass over it) and attend to it while the copy goes on; 0: off (being measured)",
         tuning=True,
     )
+    recall_bits: int = option(
+        4,
+        "with recall: the rebuilt passage held as 4-bit blocks (the middle tier's layout) or at 16 bits",
+        tuning=True,
+    )
     storage: str = option(
         "auto",
         "dtype of 16-bit storage (recent buffer, exact rows, unquantized bases): auto "
@@ -372,6 +382,7 @@ class DepthWeave(Method):
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
         ({"recall": 1}, "recall"),
+        ({"recall_bits": 8}, "recall_bits"),
     )
 
     def __post_init__(self) -> None:
@@ -398,6 +409,7 @@ class DepthWeave(Method):
         self.check_range("protect", 0.0, 0.5)
         self.check_range("protect_names", 0)
         self.check_range("protect_records", 0)
+        self.check_choice("recall_bits", [16, 4])
         if self.recall == 1 or self.recall < 0:
             raise ValueError(
                 f"{self.name}: option recall={self.recall!r} is out of range; allowed 0 (off) or 2 and more "

@@ -9,8 +9,8 @@ import torch
 from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.middle import middle_backend
-from kvweave.methods.depthweave.parts import DensePart, attend_parts
-from kvweave.methods.depthweave.recall import Recall
+from kvweave.methods.depthweave.parts import attend_parts
+from kvweave.methods.depthweave.recall import Recall, recall_part, recall_tensors
 from kvweave.methods.depthweave.router import pooled_attention, window_attention
 from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
 from kvweave.ops.masking import prompt_padding
@@ -42,9 +42,10 @@ class DepthWeaveLayer(CompressedLayer):
         self.prompt_mass: torch.Tensor | None = None
         # what attended over the middle tier at the last decode step with one (``cpp`` or ``torch``)
         self.middle_kernel: str | None = None
-        # batch row -> rebuilt ``(keys [H, n, D], values, slots [n])`` of a copied passage (``recall``): set before
-        # a decode step by the cache's :class:`~kvweave.methods.depthweave.recall.Recall`, never saved
-        self.recall: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # batch row -> a copied passage rebuilt (``recall``): ``(keys [H, n, D], values, slots [n])`` at 16 bits or
+        # ``(MiddleBlocks, slots)``; set before a decode step by the cache's
+        # :class:`~kvweave.methods.depthweave.recall.Recall`, never saved
+        self.recall: dict[int, tuple[Any, ...]] = {}
 
     @property
     def recent(self) -> RecentBuffer:
@@ -173,8 +174,7 @@ class DepthWeaveLayer(CompressedLayer):
             parts.extend(buffer)
             rebuilt = self.recall.get(b) if query.shape[2] == 1 else None  # decode steps only
             if rebuilt is not None:
-                keys, values, slots = rebuilt
-                parts.insert(0, DensePart(keys.float(), values.float(), slots))
+                parts.insert(0, recall_part(rebuilt, backend if recent.middle is not None else None, query))
             row_mask = None if mask is None else mask[b : b + 1]
             masses: list[torch.Tensor] | None = [] if pin else None
             out, recent_attention = attend_parts(
@@ -240,7 +240,7 @@ class DepthWeaveLayer(CompressedLayer):
         tensors = recent.tensors() + ([self.pad_count] if self.pad_count is not None else [])
         tensors += recent.query_tensors()
         tensors += [flags for pins in self.pins.values() for flags in pins.values()]  # pinned pages
-        tensors += [t for rebuilt in self.recall.values() for t in rebuilt]  # a copied passage (``recall``)
+        tensors += recall_tensors(self)  # a copied passage (``recall``)
         state = self.cache.context.decode_state
         if isinstance(state, Recall) and self.layer_idx == self.group.members[-1] and self.group.index == 0:
             ids = self.cache.context.prompt_ids  # what recall reads, with its n-gram hashes: counted once

@@ -10,8 +10,9 @@ the rebuilt keys and values in place of what its stores hold for those positions
 on (:data:`FRESH` steps after the last match). A copy that runs past the rebuilt span rebuilds the next one.
 
 What is rebuilt is not the exact KV (the passage sees :data:`CONTEXT` tokens of context, not everything before
-it), and it is held beside the compressed stores while it is used: those bytes count in ``nbytes()``, as do
-the token ids, and are given back when the copy ends. Decode steps only (one new token per row); a prompt's own
+it), and it is held beside the compressed stores while it is used, as 4-bit blocks of the middle tier's layout
+(``recall_bits=4``, attended from their codes) or at 16 bits (``recall_bits=16``): those bytes count in
+``nbytes()``, as do the token ids and their n-gram hashes, and are given back when the copy ends. Decode steps only (one new token per row); a prompt's own
 repeats are the prompt's. Derived state: never saved; a loaded cache rebuilds the index from its ids.
 """
 
@@ -22,14 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvweave.methods.depthweave.middle import MIDDLE_BLOCK, MiddleBlocks
+
 if TYPE_CHECKING:
     from kvweave.cache import KVCache
 
 BEFORE = 16
 """Tokens rebuilt before a copy's source (the context the copied tokens' keys were written in)."""
 
-AFTER = 64
-"""Tokens rebuilt from a copy's source on: the span a copy can run through before the next rebuild."""
+AFTER = 48
+"""Tokens rebuilt from a copy's source on: the span a copy can run through before the next rebuild (with
+:data:`BEFORE`, two blocks of the middle tier's 32 tokens)."""
 
 CONTEXT = 64
 """Tokens of context the model sees before a rebuilt span (not kept)."""
@@ -112,9 +116,13 @@ class Recall:
             if source is not None and pad <= source < exact_from - BEFORE:
                 row.until = seen + FRESH
                 if row.span is None or not row.span[0] <= source < row.span[1] - BEFORE:
-                    start, stop = max(pad, source - BEFORE), min(exact_from, source + AFTER)
-                    self.rebuild(cache, decoder, layers, b, pad, start, stop)
-                    row.span = (start, stop)
+                    stop = min(exact_from, source + AFTER)  # source < stop - BEFORE
+                    start = max(pad, stop - BEFORE - AFTER)
+                    if layers[0].method.recall_bits < 16:  # whole blocks of the middle tier's layout
+                        stop = start + (stop - start) // MIDDLE_BLOCK * MIDDLE_BLOCK
+                    if stop > start:
+                        self.rebuild(cache, decoder, layers, b, pad, start, stop)
+                        row.span = (start, stop)
             elif source is not None and row.span is not None:
                 row.until = seen + FRESH  # the copy goes on inside the span, or into the exact buffer
             if row.span is not None and seen >= row.until:
@@ -146,12 +154,32 @@ class Recall:
         slots = torch.arange(start, stop, device=segment.device)
         for layer in layers:
             held = rebuilt.layers[layer.layer_idx]
-            dtype = layer.method.storage_dtype(held.keys.dtype)
-            keys = held.keys[0, :, start - first :].to(dtype)
-            values = held.values[0, :, start - first :].to(dtype)
-            layer.recall[row] = (keys, values, slots)
+            keys, values = held.keys[:, :, start - first :], held.values[:, :, start - first :]
+            bits = layer.method.recall_bits
+            if bits < 16:
+                layer.recall[row] = (MiddleBlocks.of(keys, values, bits), slots)
+            else:
+                dtype = layer.method.storage_dtype(held.keys.dtype)
+                layer.recall[row] = (keys[0].to(dtype), values[0].to(dtype), slots)
+
+
+def recall_part(held: tuple[Any, ...], backend: str | None, query: torch.Tensor) -> Any:
+    """A layer's rebuilt passage as a part of ``attend_parts``: a :class:`MiddlePart` over its blocks (read by
+    ``backend``, the middle tier's, or the one chosen for the query's device) or a dense part."""
+    from kvweave.methods.depthweave.middle import MiddlePart, middle_backend
+    from kvweave.methods.depthweave.parts import DensePart
+
+    if isinstance(held[0], MiddleBlocks):
+        blocks, slots = held
+        return MiddlePart(blocks, 0, slots, backend or middle_backend("auto", query.device))
+    keys, values, slots = held
+    return DensePart(keys.float(), values.float(), slots)
 
 
 def recall_tensors(layer: Any) -> list[torch.Tensor]:
-    """The rebuilt keys, values and slots ``layer`` holds (for its byte count)."""
-    return [t for held in getattr(layer, "recall", {}).values() for t in held]
+    """The rebuilt keys, values (or their blocks) and slots ``layer`` holds (for its byte count)."""
+    tensors: list[torch.Tensor] = []
+    for held in getattr(layer, "recall", {}).values():
+        for item in held:
+            tensors += item.tensors() if isinstance(item, MiddleBlocks) else [item]
+    return tensors
