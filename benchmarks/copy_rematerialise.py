@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import token_stream  # noqa: E402
 from soak_copy import copyable  # noqa: E402
 
+from kvweave._compat import cache_kwarg  # noqa: E402
 from kvweave.models import load_model  # noqa: E402
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -54,7 +55,7 @@ def forward_kv(model: Any, ids: torch.Tensor, start: int) -> tuple[torch.Tensor,
     cache = DynamicCache()
     positions = torch.arange(start, start + ids.shape[1]).view(1, -1)
     with torch.no_grad():
-        out = model(ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(ids, position_ids=positions, use_cache=True, **{cache_kwarg(model): cache})
     return out.logits[0].float(), layer_kv(cache)
 
 
@@ -82,7 +83,7 @@ def score_chunk(model: Any, past: KV, ids: torch.Tensor, start: int) -> torch.Te
         out = model(
             ids,
             position_ids=torch.arange(start, start + n).view(1, -1),
-            past_key_values=cache,
+            **{cache_kwarg(model): cache},
             cache_position=torch.arange(held, held + n),
             attention_mask=torch.ones(1, held + n, dtype=torch.long),
             use_cache=True,

@@ -227,8 +227,12 @@ class KVCache(Cache):
         return self.rotary[self.layer_types[layer_idx]]
 
     def nbytes(self) -> int:
-        """Bytes of all tensors this cache holds right now (each tensor storage counted once)."""
-        return sum(layer_nbytes(layer) for layer in self.layers)
+        """Bytes of all tensors this cache holds right now (each tensor storage counted once), with what a
+        method's decode-time state holds (``context.decode_state.tensors(context)``: DepthWeave's recall, the ids
+        it reads and their n-gram hashes)."""
+        held = sum(layer_nbytes(layer) for layer in self.layers)
+        state = self.context.decode_state
+        return held if state is None else held + tensors_nbytes(state.tensors(self.context))
 
     def read_bytes(self) -> int:
         """Bytes one decode step reads from this cache: what each layer attends over (``layer.read_bytes()``

@@ -10,7 +10,7 @@ from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.middle import middle_backend
 from kvweave.methods.depthweave.parts import attend_parts
-from kvweave.methods.depthweave.recall import Recall, recall_part, recall_tensors
+from kvweave.methods.depthweave.recall import recall_part, recall_tensors
 from kvweave.methods.depthweave.router import pooled_attention, window_attention
 from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
 from kvweave.ops.masking import prompt_padding
@@ -67,8 +67,7 @@ class DepthWeaveLayer(CompressedLayer):
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
         self.recall = {}  # rebuilt at the next copy
-        if isinstance(self.cache.context.decode_state, Recall):
-            self.cache.context.decode_state = None  # its n-gram hashes are rehashed from the ids
+        self.cache.context.decode_state = None  # derived (recall's n-gram hashes): rebuilt from the ids
 
     # -- attention step
     def attend(
@@ -240,11 +239,9 @@ class DepthWeaveLayer(CompressedLayer):
         tensors = recent.tensors() + ([self.pad_count] if self.pad_count is not None else [])
         tensors += recent.query_tensors()
         tensors += [flags for pins in self.pins.values() for flags in pins.values()]  # pinned pages
-        tensors += recall_tensors(self)  # a copied passage (``recall``)
-        state = self.cache.context.decode_state
-        if isinstance(state, Recall) and self.layer_idx == self.group.members[-1] and self.group.index == 0:
-            ids = self.cache.context.prompt_ids  # what recall reads, with its n-gram hashes: counted once
-            tensors += state.tensors() + ([ids] if ids is not None else [])
+        tensors += recall_tensors(
+            self
+        )  # a copied passage (``recall``; its ids and hashes: ``KVCache.nbytes``)
         group = self.group
         for store in group.rows:
             if store is not None:

@@ -90,9 +90,11 @@ class Recall:
         self.ngram = ngram
         self.rows: list[RowRecall] = []
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The n-gram hashes held (8 bytes per token and row)."""
-        return [row.hashes for row in self.rows]
+    def tensors(self, context: Any) -> list[torch.Tensor]:
+        """What recall holds and reads beside the layers (``KVCache.nbytes`` counts them): the n-gram hashes (8
+        bytes per token and row) and ``context``'s token ids."""
+        ids = context.prompt_ids
+        return [row.hashes for row in self.rows] + ([ids] if ids is not None else [])
 
     def step(self, cache: KVCache, decoder: Any) -> None:
         """Before a forward pass of ``cache``'s model (its ids already observed): on a decode step, match each
