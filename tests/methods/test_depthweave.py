@@ -1170,6 +1170,8 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     (_, off, _), (cache, on, seen) = caches[0], caches[4]
     assert torch.equal(off[:150], on[:150])  # no copy yet: the same logits
     assert not seen[197][0]  # nothing rebuilt before the copy
+    assert caches[0][0].context.decode_state is None  # recall off: no index, nothing rebuilt
+    assert cache.context.decode_state.rebuilds >= 1
     # what recall reads is counted: the ids (8 bytes each) and one 8-byte hash per 4-gram, 198 ids at step 197
     ids_and_hashes = 198 * 8 + (198 - 4 + 1) * 8
     assert seen[197][1] - caches[0][2][197][1] == ids_and_hashes

@@ -137,6 +137,13 @@ HEADLINES: dict[str, Headline] = {
         for short, method in (("dw", "depthweave"), ("dk", "dkcache"), ("q4", "quant:bits=4"))
         for what, field in (("speed", "speedup"), ("bound", "bound"))
     },
+    **{
+        f"{short}-16k-{what}-v7": Headline(
+            "docs/data/bench/bench-16k-v10.jsonl", method, field, "{:.2f}x", (("context", 16384),)
+        )
+        for short, method in (("dw", "depthweave"), ("dwr", "depthweave:recall=8"))
+        for what, field in (("speed", "speedup"), ("bound", "bound"))
+    },
     "dw-16k-bound": Headline(
         "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "bound", "{:.2f}x", (("context", 16384),)
     ),

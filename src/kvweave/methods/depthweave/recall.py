@@ -89,6 +89,7 @@ class Recall:
     def __init__(self, ngram: int) -> None:
         self.ngram = ngram
         self.rows: list[RowRecall] = []
+        self.rebuilds = 0  # spans rebuilt so far (diagnostics: benchmarks/recall_speed.py)
 
     def tensors(self, context: Any) -> list[torch.Tensor]:
         """What recall holds and reads beside the layers (``KVCache.nbytes`` counts them): the n-gram hashes (8
@@ -124,6 +125,7 @@ class Recall:
                         stop = start + (stop - start) // MIDDLE_BLOCK * MIDDLE_BLOCK
                     if stop > start:
                         self.rebuild(cache, decoder, layers, b, pad, start, stop)
+                        self.rebuilds += 1
                         row.span = (start, stop)
             elif source is not None and row.span is not None:
                 row.until = seen + FRESH  # the copy goes on inside the span, or into the exact buffer
