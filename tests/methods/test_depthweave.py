@@ -1233,6 +1233,55 @@ def test_recall_attends_each_position_once():
     assert not torch.allclose(twice, alone)  # without hiding, slots 3-6 would count twice
 
 
+def test_recall_leaves_exact_rows_to_the_store():
+    """A rebuilt entry whose slot the store holds as an exact row (written with its whole context) is left out
+    and that row is attended instead; the rebuilt entries of the other slots still hide the stored ones."""
+    from kvweave.methods.depthweave.parts import DensePart, attend_parts
+
+    torch.manual_seed(1)
+    keys, values = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+    query = torch.randn(4, 1, 8)
+    approx = DensePart(keys[:, :8] + 0.5, values[:, :8] - 0.5, torch.arange(8))  # a lossy store of slots 0-7
+    exact = DensePart(keys[:, 8:10], values[:, 8:10], torch.arange(8, 10))  # exact rows
+    recent = DensePart(keys[:, 10:], values[:, 10:], torch.arange(10, 12))
+    rebuilt = DensePart(keys[:, 4:10] + 0.1, values[:, 4:10] + 0.1, torch.arange(4, 10))  # slots 4-9, rebuilt
+    rebuilt.valid = ~torch.isin(rebuilt.slots, exact.slots).expand(2, -1)
+    out, _ = attend_parts(
+        query, [rebuilt, approx, exact, recent], None, 12, 0.3, recent_parts=1, recall_parts=1
+    )
+    mixed_k = torch.cat([keys[:, :4] + 0.5, keys[:, 4:8] + 0.1, keys[:, 8:]], dim=1)
+    mixed_v = torch.cat([values[:, :4] - 0.5, values[:, 4:8] + 0.1, values[:, 8:]], dim=1)
+    expected, _ = attend_parts(query, [DensePart(mixed_k, mixed_v, torch.arange(12))], None, 12, 0.3)
+    torch.testing.assert_close(out, expected)
+
+
+def test_recall_part_of_a_layer_leaves_out_its_exact_rows(model, monkeypatch):
+    """Wiring: the rebuilt part a DepthWeave layer attends leaves out exactly the slots its store holds as exact
+    rows (protect=0.3 makes some)."""
+    import kvweave.methods.depthweave.layer as layer_module
+
+    seen = []
+    real = layer_module.attend_parts
+
+    def spy(query, parts, *args, **kwargs):
+        if kwargs.get("recall_parts"):
+            seen.append(parts)
+        return real(query, parts, *args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "attend_parts", spy)
+    stream = _copy_stream()
+    cache = kvweave.make_cache("depthweave", model, recall=4, recall_bits=16, protect=0.3, **SMALL)
+    with torch.no_grad():
+        model(stream[:, :48], **{cache_kwarg(model): cache})
+    _feed(model, cache, stream, 48, 212)
+    exact = cache.layers[0].group.rows[0].exact_slots
+    assert seen and exact is not None and exact.numel()
+    part = seen[-1][0]
+    inside = torch.isin(part.slots, exact.long())
+    assert bool(inside.any())  # the span covers some exact rows: they are the ones left out
+    assert torch.equal(part.valid[0], ~inside)
+
+
 def test_recall_goes_on_after_a_save_and_load(model, tmp_path):
     """Recall's index is derived from the saved ids: a cache saved before a copy and loaded rebuilds the
     passage as the one never saved does, with the same logits."""

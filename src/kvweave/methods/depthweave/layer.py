@@ -173,7 +173,11 @@ class DepthWeaveLayer(CompressedLayer):
             parts.extend(buffer)
             rebuilt = self.recall.get(b) if query.shape[2] == 1 else None  # decode steps only
             if rebuilt is not None:
-                parts.insert(0, recall_part(rebuilt, backend if recent.middle is not None else None, query))
+                part = recall_part(rebuilt, backend if recent.middle is not None else None, query)
+                exact = store.exact_slots if store is not None else None
+                if exact is not None and exact.numel():  # exact rows, written with their whole context, stay
+                    part.valid = ~torch.isin(part.slots, exact.long()).expand(heads, -1)
+                parts.insert(0, part)
             row_mask = None if mask is None else mask[b : b + 1]
             masses: list[torch.Tensor] | None = [] if pin else None
             out, recent_attention = attend_parts(

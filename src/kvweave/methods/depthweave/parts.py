@@ -83,7 +83,7 @@ def attend_parts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's attention over ``parts`` (the last ``recent_parts`` hold the recent buffer, the exact tokens
     last; the first ``recall_parts`` hold rebuilt tokens, whose slots the parts between them and the buffer then
-    hide: each position is attended once).
+    hide: each position is attended once; a rebuilt entry its part's ``valid`` leaves out hides nothing).
 
     ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
     of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
@@ -109,7 +109,10 @@ def attend_parts(
     if recall_parts:
         rebuilt = sum(p.slots.shape[-1] for p in parts[:recall_parts])
         stored = slots.shape[1] - sum(p.slots.shape[-1] for p in parts[len(parts) - recent_parts :])
-        hidden = torch.isin(slots[:, rebuilt:stored], slots[0, :rebuilt])  # [H, n]
+        source = slots[0, :rebuilt]
+        if any(v is not None for v in valid[:recall_parts]):  # rebuilt entries left out (exact rows held)
+            source = source[torch.cat(flags[:recall_parts], dim=1)[0]]
+        hidden = torch.isin(slots[:, rebuilt:stored], source)  # [H, n]
         visible[..., rebuilt:stored] &= ~hidden.unsqueeze(1)
     visible = visible.repeat(1, g, 1)  # [H, g·q, N], rows ordered (query head, query) like ``packed``
     probs = masked_softmax(logits, visible)  # padding queries (nothing visible): zero weights, never used
