@@ -1,15 +1,18 @@
 """What ``depthweave:recall`` costs a decode step, where the text copies an old passage and where it does not.
 
 ``kvweave bench`` decodes greedily from its prompt, so whether recall rebuilds anything during its rounds is up
-to the model. This script teacher-forces two kinds of steps into caches prefilled with the same prompt (the
+to the model. This script teacher-forces three kinds of steps into caches prefilled with the same prompt (the
 bench's pydoc prose, one exact prefill replayed into every method that prefills exactly):
 
-- ``fresh``: the prose that follows the prompt (tokens the prompt does not hold);
+- ``next``: the prose that follows the prompt. The pydoc prose repeats itself (a 16K prompt holds passages
+  the next tokens repeat), so this phase copies where the document does;
 - ``copy``: a passage of the prompt fed again token by token (from ``--context // 4`` on, another one each
   round), what an answer quoting its document does. With ``recall=N`` on, the first ``N`` tokens of it find
-  the source and each ~32 tokens after that rebuild the next span (one forward pass over <= 128 tokens).
+  the source and each ~32 tokens after that rebuild the next span (one forward pass over <= 128 tokens);
+- ``other``: another document (``--other``, a haystack: by default CPython source code), which the prompt
+  does not hold: recall's bookkeeping with little to rebuild.
 
-Each round runs both phases for every method in turn (interleaved, so the machine's drift hits all alike).
+Each round runs the phases for every method in turn (interleaved, so the machine's drift hits all alike).
 Rows (JSON lines appended to ``--out``): per round, method and phase the mean, median and slowest step in ms,
 the spans rebuilt, the teacher-forced loss of the phase's tokens and the cache's bytes; then per method and
 phase a summary with the median over rounds of the mean step and its ratio to ``full``'s (the first method
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-PHASES = ("fresh", "copy")
+PHASES = ("next", "copy", "other")
 
 
 def rebuilds(cache: Any) -> int:
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=64, help="decode steps per phase and round (default 64)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both phases per method (default 3)")
+    parser.add_argument(
+        "--other", default="code", help="haystack of the 'other' phase (pydoc, essays, code; default code)"
+    )
     parser.add_argument("--out", required=True, help="rows file (JSON lines; appended)")
     args = parser.parse_args(argv)
     if min(args.context, args.steps, args.rounds) < 1:
@@ -146,12 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     import kvweave
     from kvweave.eval.bench import SharedRecording, prompt
     from kvweave.eval.runner import environment
+    from kvweave.eval.tasks.data import HAYSTACKS, load_haystack
+
+    if args.other not in HAYSTACKS:
+        parser.error(f"--other {args.other!r} is no haystack; choose one of {', '.join(HAYSTACKS)}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model, tokenizer = kvweave.load_model(args.model)
     stream = prompt(tokenizer, model.config.vocab_size, args.context + args.rounds * args.steps, 1, "cpu")
-    ids, fresh = stream[:, : args.context], stream[:, args.context :]
+    ids, following = stream[:, : args.context], stream[:, args.context :]
+    text = tokenizer.encode(load_haystack(args.other).text, add_special_tokens=False) if tokenizer else []
+    if len(text) < args.rounds * args.steps:
+        parser.error(f"the {args.other} haystack holds {len(text)} tokens, fewer than --rounds x --steps")
+    other = torch.tensor([text[: args.rounds * args.steps]])
 
     def emit(row: dict[str, Any]) -> None:
         with out.open("a") as handle:
@@ -168,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         source = args.context // 4 + round_ * args.steps
         tokens = {
-            "fresh": fresh[:, round_ * args.steps : (round_ + 1) * args.steps],
+            "next": following[:, round_ * args.steps : (round_ + 1) * args.steps],
             "copy": ids[:, source : source + args.steps],
+            "other": other[:, round_ * args.steps : (round_ + 1) * args.steps],
         }
         for spec in specs:
             for phase in PHASES:
