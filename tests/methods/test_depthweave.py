@@ -1233,16 +1233,36 @@ def test_recall_attends_each_position_once():
     assert not torch.allclose(twice, alone)  # without hiding, slots 3-6 would count twice
 
 
+def test_in_set_is_isin_for_slots():
+    """``in_set`` (the lookup table recall's hiding uses) answers as ``torch.isin`` on any slots: members
+    scattered or contiguous, values inside, outside and on both edges of their range, none at all, 2-D values."""
+    from kvweave.methods.depthweave.parts import in_set
+
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        members = torch.randint(
+            0, 300, (int(torch.randint(0, 30, (1,), generator=generator)),), generator=generator
+        )
+        if trial % 4 == 0:
+            members = torch.arange(100, 164)  # a span
+        values = torch.randint(0, 400, (2, 50), generator=generator)
+        if members.numel():
+            values[0, :2] = torch.stack([members.min(), members.max()])
+            values[0, 2:4] = torch.stack([members.min() - 1, members.max() + 1])
+        assert torch.equal(in_set(values, members), torch.isin(values, members))
+
+
 def test_recall_leaves_exact_rows_to_the_store():
     """A rebuilt entry whose slot the store holds as an exact row (written with its whole context) is left out
-    and that row is attended instead; the rebuilt entries of the other slots still hide the stored ones."""
+    and that row (a part marked ``exact_rows``) is attended instead; the rebuilt entries of the other slots
+    still hide the stored ones."""
     from kvweave.methods.depthweave.parts import DensePart, attend_parts
 
     torch.manual_seed(1)
     keys, values = torch.randn(2, 12, 8), torch.randn(2, 12, 8)
     query = torch.randn(4, 1, 8)
     approx = DensePart(keys[:, :8] + 0.5, values[:, :8] - 0.5, torch.arange(8))  # a lossy store of slots 0-7
-    exact = DensePart(keys[:, 8:10], values[:, 8:10], torch.arange(8, 10))  # exact rows
+    exact = DensePart(keys[:, 8:10], values[:, 8:10], torch.arange(8, 10), exact_rows=True)
     recent = DensePart(keys[:, 10:], values[:, 10:], torch.arange(10, 12))
     rebuilt = DensePart(keys[:, 4:10] + 0.1, values[:, 4:10] + 0.1, torch.arange(4, 10))  # slots 4-9, rebuilt
     rebuilt.valid = ~torch.isin(rebuilt.slots, exact.slots).expand(2, -1)

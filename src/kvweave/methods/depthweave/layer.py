@@ -9,7 +9,7 @@ import torch
 from kvweave._compat import mask_to_bool
 from kvweave.cache import CompressedLayer, tensors_nbytes
 from kvweave.methods.depthweave.middle import middle_backend
-from kvweave.methods.depthweave.parts import attend_parts
+from kvweave.methods.depthweave.parts import attend_parts, in_set
 from kvweave.methods.depthweave.recall import recall_part, recall_tensors
 from kvweave.methods.depthweave.router import pooled_attention, window_attention
 from kvweave.methods.depthweave.select import Pins, pin_pages, selected_parts
@@ -46,6 +46,9 @@ class DepthWeaveLayer(CompressedLayer):
         # ``(MiddleBlocks, slots)``; set before a decode step by the cache's
         # :class:`~kvweave.methods.depthweave.recall.Recall`, never saved
         self.recall: dict[int, tuple[Any, ...]] = {}
+        # batch row -> ``(exact slots, span slots, valid flags)``: which rebuilt entries the store's exact rows
+        # replace, kept while neither tensor changes (exact rows are added as new tensors)
+        self.recall_valid: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def recent(self) -> RecentBuffer:
@@ -66,7 +69,7 @@ class DepthWeaveLayer(CompressedLayer):
         self.recent.select_rows(rows)
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
-        self.recall = {}  # rebuilt at the next copy
+        self.recall, self.recall_valid = {}, {}  # rebuilt at the next copy
         self.cache.context.decode_state = None  # derived (recall's n-gram hashes): rebuilt from the ids
 
     # -- attention step
@@ -176,7 +179,11 @@ class DepthWeaveLayer(CompressedLayer):
                 part = recall_part(rebuilt, backend if recent.middle is not None else None, query)
                 exact = store.exact_slots if store is not None else None
                 if exact is not None and exact.numel():  # exact rows, written with their whole context, stay
-                    part.valid = ~torch.isin(part.slots, exact.long()).expand(heads, -1)
+                    known = self.recall_valid.get(b)
+                    if known is None or known[0] is not exact or known[1] is not part.slots:
+                        known = (exact, part.slots, ~in_set(part.slots, exact).expand(heads, -1))
+                        self.recall_valid[b] = known
+                    part.valid = known[2]
                 parts.insert(0, part)
             row_mask = None if mask is None else mask[b : b + 1]
             masses: list[torch.Tensor] | None = [] if pin else None

@@ -12,10 +12,14 @@ from kvweave.ops.masking import visible_mask
 
 
 class DensePart:
-    """Exact (or dequantized) entries: ``keys, values: [H, n, D]`` float32, ``slots: [n]``."""
+    """Exact (or dequantized) entries: ``keys, values: [H, n, D]`` float32, ``slots: [n]``; ``exact_rows``: a
+    store's exact rows (written with their whole context), which a rebuilt span never hides."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, exact_rows: bool = False
+    ) -> None:
         self.keys, self.values, self.slots = keys, values, slots
+        self.exact_rows = exact_rows
 
     def logits(self, query: torch.Tensor) -> torch.Tensor:
         """``query: [H, M, D]`` -> ``[H, M, n]``."""
@@ -71,6 +75,19 @@ class FactorPart:
         return out
 
 
+def in_set(values: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(values, members)`` for integer slots, by a lookup table over ``members``' range: a scatter
+    and a gather where ``isin`` sorts (a decode step calls it per layer; ``members`` spans at most the context)."""
+    if members.numel() == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    low, high = int(members.min()), int(members.max())
+    table = torch.zeros(high - low + 1, dtype=torch.bool, device=values.device)
+    table[members.long() - low] = True
+    index = values.long() - low
+    inside = (index >= 0) & (index <= high - low)
+    return inside & table[index.clamp(0, high - low)]
+
+
 def attend_parts(
     query: torch.Tensor,
     parts: list[Any],
@@ -82,8 +99,9 @@ def attend_parts(
     recall_parts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's attention over ``parts`` (the last ``recent_parts`` hold the recent buffer, the exact tokens
-    last; the first ``recall_parts`` hold rebuilt tokens, whose slots the parts between them and the buffer then
-    hide: each position is attended once; a rebuilt entry its part's ``valid`` leaves out hides nothing).
+    last; the first ``recall_parts`` hold rebuilt tokens, one contiguous range of slots, which the parts between
+    them and the buffer then hide, all but those marked ``exact_rows``: each position is attended once, so the
+    rebuilt part's ``valid`` must leave out the slots such parts hold).
 
     ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
     of a KV head are packed along the query axis (``[H, g·q, D]``) so nothing is repeated per head.
@@ -109,10 +127,14 @@ def attend_parts(
     if recall_parts:
         rebuilt = sum(p.slots.shape[-1] for p in parts[:recall_parts])
         stored = slots.shape[1] - sum(p.slots.shape[-1] for p in parts[len(parts) - recent_parts :])
-        source = slots[0, :rebuilt]
-        if any(v is not None for v in valid[:recall_parts]):  # rebuilt entries left out (exact rows held)
-            source = source[torch.cat(flags[:recall_parts], dim=1)[0]]
-        hidden = torch.isin(slots[:, rebuilt:stored], source)  # [H, n]
+        between = slots[:, rebuilt:stored]
+        hidden = (between >= slots[0, 0]) & (between <= slots[0, rebuilt - 1])  # [H, n], no sync
+        start = 0
+        for part in parts[recall_parts : len(parts) - recent_parts]:
+            n = part.slots.shape[-1]
+            if getattr(part, "exact_rows", False):
+                hidden[:, start : start + n] = False
+            start += n
         visible[..., rebuilt:stored] &= ~hidden.unsqueeze(1)
     visible = visible.repeat(1, g, 1)  # [H, g·q, N], rows ordered (query head, query) like ``packed``
     probs = masked_softmax(logits, visible)  # padding queries (nothing visible): zero weights, never used

@@ -133,6 +133,7 @@ class Recall:
                 row.span = None
                 for layer in layers:
                     layer.recall.pop(b, None)
+                    layer.recall_valid.pop(b, None)
 
     @staticmethod
     def rebuild(

@@ -345,6 +345,7 @@ def selected_parts(
                 store.exact_keys[layer].dequantize(),
                 store.exact_values[layer].dequantize(),
                 store.exact_slots.long(),
+                exact_rows=True,
             )
         )
     return parts

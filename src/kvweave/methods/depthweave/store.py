@@ -163,6 +163,7 @@ class RowStore(Stateful):
                     self.exact_keys[layer].dequantize(),
                     self.exact_values[layer].dequantize(),
                     self.exact_slots.long(),
+                    exact_rows=True,
                 )
             )
         return parts
