@@ -41,10 +41,11 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
   group holds, recent buffer, exact rows and indices included, against a 16-bit full cache of the group).
-- ``recall=N`` (off, being measured: docs/findings.md, twenty-sixth session): when a decode step's newest ``N``
-  ids occurred before, the passage that followed them is rebuilt from its token ids (one forward pass, 64 tokens
-  of context) and attended in place of its stored form while the copy goes on, as 4-bit blocks
-  (``recall_bits``); the bytes count while held (:mod:`kvweave.methods.depthweave.recall`). Transformers paths
+- ``recall=N`` (off, being measured: docs/findings.md, twenty-sixth and twenty-seventh sessions): when a decode
+  step's newest ``N`` ids occurred before, the passage that followed them is rebuilt from its token ids (one
+  forward pass, 64 tokens of context) and attended in place of its stored form (its exact rows excepted) while
+  the copy goes on, as 4-bit blocks (``recall_bits``); the bytes count while held
+  (:mod:`kvweave.methods.depthweave.recall`). Transformers paths
   only: vLLM's ``depthweave`` sees no ids; untested with tensor parallel.
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
