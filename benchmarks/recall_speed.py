@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvweave.eval.bench import SharedRecording, prompt
     from kvweave.eval.runner import environment
     from kvweave.eval.tasks.data import HAYSTACKS, load_haystack
+    from kvweave.report.specs import SPEC_VERSION
 
     if args.other not in HAYSTACKS:
         parser.error(f"--other {args.other!r} is no haystack; choose one of {', '.join(HAYSTACKS)}")
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         print(f"[{spec}] prefill of {args.context} tokens", file=sys.stderr, flush=True)
         caches[spec], seconds = prefill(model, spec, ids, shared)
-        emit({"kind": "prefill", "method": spec, "context": args.context, "seconds": seconds})
+        emit({"kind": "prefill", "spec_version": SPEC_VERSION, "method": spec, "context": args.context,
+              "seconds": seconds})  # fmt: skip
     rows: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         source = args.context // 4 + round_ * args.steps
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = feed(model, caches[spec], tokens[phase])
                 row = {
                     "kind": "round",
+                    "spec_version": SPEC_VERSION,
                     "round": round_,
                     "method": spec,
                     "phase": phase,
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     for summary in summaries(rows, specs[0]):
+        summary["spec_version"] = SPEC_VERSION
         emit(summary)
         print(
             f"{summary['method']:28} {summary['phase']:5} {summary['ms_mean']:8.1f} ms/step  "

@@ -144,6 +144,17 @@ HEADLINES: dict[str, Headline] = {
         for short, method in (("dw", "depthweave"), ("dwr", "depthweave:recall=8"))
         for what, field in (("speed", "speedup"), ("bound", "bound"))
     },
+    **{
+        f"{short}-repeat-16k-{what}": Headline(
+            "docs/data/bench/recall-speed-16k-v2.jsonl",
+            method,
+            field,
+            fmt,
+            (("kind", "summary"), ("phase", "next")),
+        )
+        for short, method in (("full", "full"), ("dw", "depthweave"), ("dwr", "depthweave:recall=8"))
+        for what, field, fmt in (("loss", "loss", "{:.2f}"), ("speed", "speedup", "{:.2f}x"))
+    },
     "dw-16k-bound": Headline(
         "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "bound", "{:.2f}x", (("context", 16384),)
     ),
