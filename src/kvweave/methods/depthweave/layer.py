@@ -250,9 +250,8 @@ class DepthWeaveLayer(CompressedLayer):
         tensors = recent.tensors() + ([self.pad_count] if self.pad_count is not None else [])
         tensors += recent.query_tensors()
         tensors += [flags for pins in self.pins.values() for flags in pins.values()]  # pinned pages
-        tensors += recall_tensors(
-            self
-        )  # a copied passage (``recall``; its ids and hashes: ``KVCache.nbytes``)
+        # a copied passage (``recall``; its ids and hashes count in ``KVCache.nbytes``)
+        tensors += recall_tensors(self)
         group = self.group
         for store in group.rows:
             if store is not None:
