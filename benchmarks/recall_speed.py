@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         "depthweave:recall=8)",
     )
     parser.add_argument("--steps", type=int, default=64, help="decode steps per phase and round (default 64)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three phases per method (default 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the three phases per method (default 3)"
+    )
     parser.add_argument(
         "--other", default="code", help="haystack of the 'other' phase (pydoc, essays, code; default code)"
     )
