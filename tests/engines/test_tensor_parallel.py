@@ -155,6 +155,27 @@ def test_depthweave_ranks_agree_on_the_middle_tier(work: tuple[Path, Any, dict[s
         assert decisions[0] == decisions[1]
 
 
+@pytest.mark.parametrize("spec", scenarios.RECALL_SPECS)
+def test_depthweave_recall_under_tensor_parallelism(
+    spec: str, work: tuple[Path, Any, dict[str, Any]]
+) -> None:
+    """Recall's copy detection reads the token ids, the same on every rank: the ranks rebuild the same spans as
+    one process, at the same steps, every layer holding the same slots; the rebuild (one forward pass of the
+    sharded model) gives each rank its own heads' keys of one process's rebuild; the logits stay finite."""
+    _, model, ranks = work
+    one = scenarios.recall_copy(model, spec)
+    assert one["rebuilds"] >= 1 and any(slots for slots in one["slots"])  # the copy was matched and rebuilt
+    for rank in ranks["recall"][spec]:
+        assert rank["rebuilds"] == one["rebuilds"]
+        assert rank["slots"] == one["slots"]
+        assert torch.isfinite(torch.tensor(rank["logits"])).all()
+    if one["keys"] is None:  # 4-bit spans: codes, compared through the slots above
+        return
+    whole = torch.tensor(one["keys"])  # [2 KV heads, span, head dim]
+    for r, rank in enumerate(ranks["recall"][spec]):
+        torch.testing.assert_close(torch.tensor(rank["keys"]), whole[r : r + 1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", scenarios.NAMES)
 def test_per_rank_files_continue_exactly(name: str, work: tuple[Path, Any, dict[str, Any]]) -> None:
     """A cache saved by 2 ranks (one file set each + tp.json) loads back and continues bit for bit."""

@@ -4,8 +4,9 @@ MODEL_FOLDER WORK_FOLDER``; rank 0 writes the ranks' results to ``WORK_FOLDER/tp
 
 Per method spec: the prefix pattern (prefill a context into the cache, then ``generate`` with context + question),
 its greedy tokens and logits, the bytes held (this rank's and summed over the ranks) and the rank ``stats()``
-names. Per registered method, under tensor parallelism: a per-rank save and load continues exactly. And what
-loading a one-process cache file into the ranks says.
+names. Per registered method, under tensor parallelism: a per-rank save and load continues exactly. DepthWeave's
+recall on a stream that copies its prompt (teacher-forced, one id a step): the spans it rebuilds and their keys. And
+what loading a one-process cache file into the ranks says.
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ DECISIONS = (
     "tiers",
     "retrieval_steps",
 )
+
+
+# recall: a stream that copies its prompt, fed one id a step after the prefill; held at 4 bits (the default) and at
+# 16 bits (whose rebuilt keys each rank can compare with one process's heads)
+RECALL_SPECS = [
+    parse_method(
+        f"depthweave:recent=8,block=8,group=2,compression=3.0,probe=4,window=8,sinks=2,recall=4{bits}"
+    ).spec()
+    for bits in ("", ",recall_bits=16")
+]
 
 
 def spec_of(name: str) -> str:
@@ -152,6 +163,35 @@ def save_and_load(model: Any, spec: str, folder: Path) -> dict[str, Any]:
     }
 
 
+def copy_stream() -> torch.Tensor:
+    """The prompt's 48 ids, 150 other ids, then the prompt's ids 4..43 again (a copy a decode step can match)."""
+    context, _ = prompt()
+    other = torch.randint(3, 150, (1, 150), generator=torch.Generator().manual_seed(3))
+    return torch.cat([context, other, context[:, 4:44]], dim=1)
+
+
+def recall_copy(model: Any, spec: str) -> dict[str, Any]:
+    """Prefill the prompt, feed the rest of :func:`copy_stream` one id a step: the spans recall rebuilt, every
+    layer's slots held at the end (the copy goes on), layer 0's rebuilt keys (16-bit spans) and the logits."""
+    stream = copy_stream()
+    cache = kvweave.make_cache(spec, model)
+    kw = {cache_kwarg(model): cache}
+    logits = []
+    with torch.no_grad():
+        model(stream[:, :48], **kw)
+        for t in range(48, stream.shape[1]):
+            logits.append(model(stream[:, t : t + 1], **kw).logits[0, -1].float())
+    held = [layer.recall.get(0) for layer in cache.layers]
+    first = held[0]
+    return {
+        "rebuilds": cache.context.decode_state.rebuilds,
+        "slots": [None if h is None else h[-1].tolist() for h in held],
+        "keys": first[0].float().tolist() if first is not None and len(first) == 3 else None,
+        "logits": torch.stack(logits).tolist(),
+        "nbytes": cache.nbytes(),
+    }
+
+
 def refusal(action: Any) -> str | None:
     """The message of the ``CacheFileError`` that ``action()`` raises (``None`` if it raises none)."""
     from kvweave.persist import CacheFileError
@@ -177,6 +217,12 @@ def main(model_folder: str, work: str) -> None:
             ranks, [measured["nbytes"], measured["decisions"]], group=tp.group
         )
         results["per_rank"][spec] = {"nbytes": [r[0] for r in ranks], "decisions": [r[1] for r in ranks]}
+    results["recall"] = {}
+    for spec in RECALL_SPECS:  # every rank's own rebuilt keys (its heads)
+        measured = recall_copy(model, spec)
+        ranks = [None] * tp.size
+        torch.distributed.all_gather_object(ranks, measured, group=tp.group)
+        results["recall"][spec] = ranks
     saves = Path(work) / "tp-saves"
     results["save_load"] = {name: save_and_load(model, spec_of(name), saves / name) for name in NAMES}
     results["one_process_file"] = refusal(lambda: distributed.load_cache(Path(work) / "one-process", model))

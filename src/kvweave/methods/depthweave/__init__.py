@@ -46,7 +46,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   forward pass, 64 tokens of context) and attended in place of its stored form (its exact rows excepted) while
   the copy goes on, as 4-bit blocks (``recall_bits``); the bytes count while held
   (:mod:`kvweave.methods.depthweave.recall`). Transformers paths
-  only: vLLM's ``depthweave`` sees no ids; untested with tensor parallel.
+  only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the same ids and
+  rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
