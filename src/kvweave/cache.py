@@ -113,6 +113,15 @@ class CacheContext(Stateful):
         if held == first:
             self._id_parts.append(ids)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` of the ids (beam reorder, a row taken out of a batch, rows repeated): ids of
+        one row (``[n]`` or ``[1, n]``, every row's) are left as they are. A method's decode-time state is
+        dropped: it is derived from the ids and rebuilt from them."""
+        ids = self.prompt_ids
+        if ids is not None and ids.dim() == 2 and ids.shape[0] > 1:
+            self.prompt_ids = ids.index_select(0, rows.to(ids.device))
+        self.decode_state = None
+
     def warn_once(self, key: str, message: str) -> None:
         """Warn ``message`` once per cache and ``key``."""
         if key not in self._warned:
@@ -219,6 +228,21 @@ class KVCache(Cache):
         hook = getattr(self.method, "before_forward", None)
         if hook is not None:
             hook(self, decoder)
+
+    # -- batch rows: every layer's, and the ids the context keeps (what recall and the router read per row)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.context.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.context.select_rows(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        ids = self.context.prompt_ids
+        rows = int(ids.shape[0]) if ids is not None and ids.dim() == 2 else 1
+        self.context.select_rows(torch.arange(rows).repeat_interleave(repeats))
 
     def rotary_for(self, layer_idx: int) -> Rotary:
         """The model's rotary embedding for ``layer_idx`` (error if the model has none)."""

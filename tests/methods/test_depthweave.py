@@ -1302,6 +1302,43 @@ def test_recall_part_of_a_layer_leaves_out_its_exact_rows(model, monkeypatch):
     assert torch.equal(part.valid[0], ~inside)
 
 
+def test_recall_in_a_row_taken_out_of_a_batch_reads_that_rows_ids(model):
+    """A batch whose second row copies its prompt, fed together, then that row taken out
+    (``batch_select_indices``, as the eval does to answer each row's question): the cache keeps that row's ids
+    only, and recall rebuilds the copy from them, as a cache that ran the row alone does (same logits)."""
+    copying = _copy_stream(2)
+    torch.manual_seed(5)
+    other = torch.randint(3, 150, copying.shape)
+    kw = cache_kwarg(model)
+    alone = kvweave.make_cache("depthweave", model, recall=4, **SMALL)
+    with torch.no_grad():
+        model(copying[:, :48], **{kw: alone})
+    _feed(model, alone, copying, 48, 198)
+    expected, _ = _feed(model, alone, copying, 198, copying.shape[1] - 1)
+    batch = kvweave.make_cache("depthweave", model, recall=4, **SMALL)
+    both = torch.cat([other, copying])
+    with torch.no_grad():
+        model(both[:, :48], **{kw: batch})
+    _feed(model, batch, both, 48, 198)
+    batch.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(batch.context.prompt_ids, copying[:, :198])
+    got, seen = _feed(model, batch, copying, 198, copying.shape[1] - 1, watch=(215,))
+    assert seen[215][0]  # the copy was matched in this row's own ids and rebuilt
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_beam_reorder_and_repeat_keep_each_rows_ids(model):
+    """``reorder_cache`` and ``batch_repeat_interleave`` move the context's ids with the rows."""
+    cache = kvweave.make_cache("depthweave", model, **SMALL)
+    ids = torch.randint(3, 150, (2, 20))
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.context.prompt_ids, ids.flip(0))
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.context.prompt_ids, ids.flip(0).repeat_interleave(2, dim=0))
+
+
 def test_recall_goes_on_after_a_save_and_load(model, tmp_path):
     """Recall's index is derived from the saved ids: a cache saved before a copy and loaded rebuilds the
     passage as the one never saved does, with the same logits."""
