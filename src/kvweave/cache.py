@@ -116,7 +116,7 @@ class CacheContext(Stateful):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep batch rows ``rows`` of the ids (beam reorder, a row taken out of a batch, rows repeated): ids of
         one row (``[n]`` or ``[1, n]``, every row's) are left as they are. A method's decode-time state is
-        dropped: it is derived from the ids and rebuilt from them."""
+        dropped (DepthWeave's recall spans, of the rows before: matched again from the ids)."""
         ids = self.prompt_ids
         if ids is not None and ids.dim() == 2 and ids.shape[0] > 1:
             self.prompt_ids = ids.index_select(0, rows.to(ids.device))
@@ -251,12 +251,10 @@ class KVCache(Cache):
         return self.rotary[self.layer_types[layer_idx]]
 
     def nbytes(self) -> int:
-        """Bytes of all tensors this cache holds right now (each tensor storage counted once), with what a
-        method's decode-time state holds (``context.decode_state.tensors(context)``: DepthWeave's recall, the ids
-        it reads and their n-gram hashes)."""
+        """Bytes of all tensors this cache holds right now (each tensor storage counted once), with what the
+        method holds beside its layers (``method.context_tensors``: the token ids DepthWeave's recall reads)."""
         held = sum(layer_nbytes(layer) for layer in self.layers)
-        state = self.context.decode_state
-        return held if state is None else held + tensors_nbytes(state.tensors(self.context))
+        return held + tensors_nbytes(self.method.context_tensors(self.context))
 
     def read_bytes(self) -> int:
         """Bytes one decode step reads from this cache: what each layer attends over (``layer.read_bytes()``

@@ -14,6 +14,8 @@ import typing
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    import torch
+
     from kvweave._compat import CacheLayerMixin
     from kvweave.cache import KVCache
 
@@ -93,6 +95,11 @@ class Method:
     def bind_layers(self, cache: KVCache) -> None:
         """Called once all of ``cache``'s layers are built: cross-layer methods form their layer groups here
         (into ``cache.context.groups``), so no layer has to discover its group at attention time."""
+
+    def context_tensors(self, context: Any) -> list[torch.Tensor]:
+        """What this method holds beside its layers in ``context`` (:class:`kvweave.cache.CacheContext`), counted
+        in ``KVCache.nbytes``: none by default (DepthWeave's ``recall`` reads the token ids while decoding)."""
+        return []
 
     def options(self) -> dict[str, Any]:
         """The option values of this instance."""

@@ -1172,9 +1172,8 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     assert not seen[197][0]  # nothing rebuilt before the copy
     assert caches[0][0].context.decode_state is None  # recall off: no index, nothing rebuilt
     assert cache.context.decode_state.rebuilds >= 1
-    # what recall reads is counted: the ids (8 bytes each) and one 8-byte hash per 4-gram, 198 ids at step 197
-    ids_and_hashes = 198 * 8 + (198 - 4 + 1) * 8
-    assert seen[197][1] - caches[0][2][197][1] == ids_and_hashes
+    # what recall reads is counted: the ids (8 bytes each), 198 at step 197; nothing else is stored to match them
+    assert seen[197][1] - caches[0][2][197][1] == 198 * 8
     held, held_bytes = seen[210]
     keys, values, slots = held[0]
     # slot 198 copies the prompt's slot 4: at step 210 the newest 4 ids are slots 13-16's, the copy reads 17 next
@@ -1191,6 +1190,23 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     rebuilt = sum(t.nbytes for layer in cache.layers for held_ in layer.recall.values() for t in held_)
     assert rebuilt > 0 and held_bytes >= rebuilt
     assert not torch.equal(off[150:], on[150:])  # the copy's steps attend to the rebuilt passage
+
+
+def test_copy_source_finds_the_last_earlier_occurrence():
+    """The match: the slot after the last earlier window equal to the newest ``n`` ids, never the newest itself."""
+    from kvweave.methods.depthweave.recall import copy_source
+
+    ids = torch.tensor([5, 1, 2, 3, 9, 1, 2, 3, 7, 4, 1, 2, 3])
+    assert copy_source(ids, 3) == 8  # [1, 2, 3] last ended at slot 7 before the newest; slot 8 comes next
+    assert copy_source(ids, 4) is None  # [4, 1, 2, 3] occurred only as the newest
+    assert copy_source(ids[:3], 3) is None and copy_source(ids[:1], 2) is None  # nothing earlier
+    torch.manual_seed(0)
+    for _ in range(20):  # against a plain loop
+        ids = torch.randint(0, 4, (40,))
+        n = int(torch.randint(2, 5, ()))
+        tail = ids[-n:].tolist()
+        found = [i + n for i in range(len(ids) - n) if ids[i : i + n].tolist() == tail]
+        assert copy_source(ids, n) == (found[-1] if found else None)
 
 
 def test_recall_holds_its_passage_as_4_bit_blocks_by_default(model):

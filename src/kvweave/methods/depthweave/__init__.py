@@ -477,6 +477,11 @@ class DepthWeave(Method):
             state = cache.context.decode_state = Recall(self.recall)
         state.step(cache, decoder)
 
+    def context_tensors(self, context: Any) -> list[torch.Tensor]:
+        """With ``recall``: the token ids of every position (8 bytes each), which it matches while decoding."""
+        ids = context.prompt_ids if self.recall > 0 else None
+        return [] if ids is None else [ids]
+
     def make_layer(self, cache: KVCache, layer_idx: int) -> DepthWeaveLayer:
         return DepthWeaveLayer(cache, layer_idx, self)
 

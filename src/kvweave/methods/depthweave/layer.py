@@ -70,7 +70,9 @@ class DepthWeaveLayer(CompressedLayer):
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
         self.recall, self.recall_valid = {}, {}  # rebuilt at the next copy
-        self.cache.context.decode_state = None  # derived (recall's n-gram hashes): rebuilt from the ids
+        self.cache.context.decode_state = (
+            None  # recall's spans, of the rows before: matched again from the ids
+        )
 
     # -- attention step
     def attend(
@@ -250,7 +252,7 @@ class DepthWeaveLayer(CompressedLayer):
         tensors = recent.tensors() + ([self.pad_count] if self.pad_count is not None else [])
         tensors += recent.query_tensors()
         tensors += [flags for pins in self.pins.values() for flags in pins.values()]  # pinned pages
-        # a copied passage (``recall``; its ids and hashes count in ``KVCache.nbytes``)
+        # a copied passage (``recall``; the ids it reads count in ``KVCache.nbytes``)
         tensors += recall_tensors(self)
         group = self.group
         for store in group.rows:

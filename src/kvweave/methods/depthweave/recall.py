@@ -12,13 +12,15 @@ on (:data:`FRESH` steps after the last match). A copy that runs past the rebuilt
 What is rebuilt is not the exact KV (the passage sees :data:`CONTEXT` tokens of context, not everything before
 it), and it is held beside the compressed stores while it is used, as 4-bit blocks of the middle tier's layout
 (``recall_bits=4``, attended from their codes) or at 16 bits (``recall_bits=16``): those bytes count in
-``nbytes()``, as do the token ids and their n-gram hashes, and are given back when the copy ends. Decode steps only (one new token per row); a prompt's own
-repeats are the prompt's. Derived state: never saved; a loaded cache rebuilds the index from its ids.
+``nbytes()`` and are given back when the copy ends; so do the token ids (8 bytes a position), which the match
+reads with ``N`` vector comparisons a step (:func:`copy_source`; nothing else is stored for it). Decode steps
+only (one new token per row); a prompt's own repeats are the prompt's. The state here (the spans held) is never
+saved: a loaded cache matches from its saved ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,44 +44,27 @@ FRESH = 32
 """Decode steps a rebuilt span stays after the last step that matched a copy."""
 
 
-HASH = 1_000_003
-"""The multiplier of the n-gram hash (64-bit, wrapping)."""
-
-
-def ngram_hashes(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """``[len(ids) - n + 1]`` int64 hashes of the windows of ``n`` ids of ``ids: [L]`` (wrapping arithmetic)."""
-    count = ids.numel() - n + 1
-    hashes = torch.zeros(max(count, 0), dtype=torch.int64, device=ids.device)
-    for j in range(n):
-        hashes = hashes * HASH + ids[j : j + count].to(torch.int64)
-    return hashes
+def copy_source(ids: torch.Tensor, n: int) -> int | None:
+    """The slot after the last earlier occurrence of the newest ``n`` of ``ids: [L]`` (where a copy reads next),
+    or ``None``: ``n`` vector comparisons over the ids, nothing stored beside them."""
+    newest = ids.numel() - 1
+    count = newest - n + 1  # windows of n ids that end before the newest id start at 0 .. count - 1
+    if count <= 0:
+        return None
+    tail = ids[newest - n + 1 :]
+    match = ids[:count] == tail[0]
+    for j in range(1, n):
+        match &= ids[j : j + count] == tail[j]
+    hits = match.nonzero()
+    return int(hits[-1]) + n if hits.numel() else None
 
 
 @dataclass
 class RowRecall:
-    """One batch row: the hashes of its ids' n-grams (``hashes[i]``: the window ending at slot ``i + n - 1``), the
-    span held (``[start, stop)`` slots) and the step after which it is dropped."""
+    """One batch row: the span held (``[start, stop)`` slots) and the step after which it is dropped."""
 
-    hashes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     span: tuple[int, int] | None = None
     until: int = -1
-
-    def source(self, ids: torch.Tensor, n: int) -> int | None:
-        """The slot after the last earlier occurrence of the newest ``n`` of ``ids: [L]`` (where a copy reads
-        next), or ``None``; hashes the windows not yet hashed first (one per decode step)."""
-        newest = ids.numel() - 1
-        done = self.hashes.numel()  # windows ending at slots n-1 .. n-2+done
-        if done < newest - n + 2:
-            fresh = ngram_hashes(ids[done:], n)
-            self.hashes = torch.cat([self.hashes.to(fresh.device), fresh])
-        if newest < n:
-            return None
-        earlier = self.hashes[: newest - n + 1]  # windows that end before the newest id
-        tail = ids[newest - n + 1 :]
-        for i in reversed((earlier == self.hashes[newest - n + 1]).nonzero().flatten().tolist()):
-            if torch.equal(ids[i : i + n], tail):  # not a hash collision
-                return i + n
-        return None
 
 
 class Recall:
@@ -90,12 +75,6 @@ class Recall:
         self.ngram = ngram
         self.rows: list[RowRecall] = []
         self.rebuilds = 0  # spans rebuilt so far (diagnostics: benchmarks/recall_speed.py)
-
-    def tensors(self, context: Any) -> list[torch.Tensor]:
-        """What recall holds and reads beside the layers (``KVCache.nbytes`` counts them): the n-gram hashes (8
-        bytes per token and row) and ``context``'s token ids."""
-        ids = context.prompt_ids
-        return [row.hashes for row in self.rows] + ([ids] if ids is not None else [])
 
     def step(self, cache: KVCache, decoder: Any) -> None:
         """Before a forward pass of ``cache``'s model (its ids already observed): on a decode step, match each
@@ -115,7 +94,7 @@ class Recall:
         exact_from = seen - layers[0].recent_count()  # the recent buffer: exact already
         for b, row in enumerate(self.rows[: ids.shape[0]]):
             pad = int(pads[b]) if pads is not None and b < pads.numel() else 0
-            source = row.source(ids[b], self.ngram)
+            source = copy_source(ids[b], self.ngram)
             if source is not None and pad <= source < exact_from - BEFORE:
                 row.until = seen + FRESH
                 if row.span is None or not row.span[0] <= source < row.span[1] - BEFORE:
