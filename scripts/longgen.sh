@@ -14,10 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KVWEAVE=${KVWEAVE:-.venv/bin/kvweave}
 SHARED_DATA=${SHARED_DATA:-../shared/data}
-# DepthWeave's columns are complete: its default since spec version 7 is the rows written as
-# depthweave:protect_records=6 (spec version 6), and the folders' "depthweave" rows are the version-5 default
-# (protect_names=0, protect_records=0), which a resume with today's "depthweave" refuses as another
-# configuration.
+# DepthWeave's columns are complete: its default since spec version 8 is the rows written as
+# depthweave:recall=8 (spec version 7; the version-7 default's are depthweave:protect_records=6), and the
+# folders' "depthweave" rows are the version-5 default (protect_names=0, protect_records=0, recall=0), which a
+# resume with today's "depthweave" refuses as another configuration.
 METHODS=${LONGGEN_METHODS:-full,quant,dkcache,xkv,snapkv,h2o}
 
 column() {  # column NAME GENERATED DATA(builtin|shared)

@@ -22,6 +22,7 @@ import kvweave
 import kvweave.methods  # noqa: F401  (fills the registry)
 from kvweave import distributed
 from kvweave._compat import cache_kwarg
+from kvweave.cache import tensors_nbytes
 from kvweave.registry import METHODS, parse_method
 
 NAMES = sorted(METHODS)
@@ -138,6 +139,8 @@ def prefix_pattern(model: Any, spec: str) -> dict[str, Any]:
         "tokens": tokens,
         "logits": torch.cat([prefill.view(1, -1), logits]).tolist(),
         "nbytes": cache.nbytes(),
+        # what the method holds beside its layers (DepthWeave's recall: the token ids), every rank a copy
+        "context_bytes": tensors_nbytes(cache.method.context_tensors(cache.context)),
         "summed_nbytes": distributed.summed_nbytes(cache),
         "summed_full_kv_bytes": distributed.summed_full_kv_bytes(cache),
         "kv_heads": cache.num_kv_heads,

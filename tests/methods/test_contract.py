@@ -180,6 +180,9 @@ def reachable_tensors(cache) -> list[torch.Tensor]:
     for layer in cache.layers:
         walk(layer)
     walk(cache.context.groups)
+    if getattr(cache.method, "recall", 0) > 0:  # DepthWeave's recall: its state and the ids it reads
+        walk(cache.context.decode_state)
+        walk(cache.context.prompt_ids)
     return found
 
 
@@ -389,23 +392,29 @@ def test_old_rows_keep_their_meaning_when_defaults_change():
     )
     assert (
         canonical_spec("depthweave", legacy=True)
-        == "depthweave:protect=0.0,protect_names=0,protect_records=0,decode_tokens=0"
+        == "depthweave:protect=0.0,protect_names=0,protect_records=0,decode_tokens=0,recall=0"
     )
     assert canonical_spec("depthweave") == "depthweave"
     # spec version 4: DepthWeave protects retrievable-looking tokens; version-3 rows did not
     assert (
-        canonical_spec("depthweave", version=3) == "depthweave:protect=0.0,protect_names=0,protect_records=0"
+        canonical_spec("depthweave", version=3)
+        == "depthweave:protect=0.0,protect_names=0,protect_records=0,recall=0"
     )
     assert (
-        canonical_spec("depthweave:protect=0.02,protect_names=2,protect_records=6", version=3) == "depthweave"
+        canonical_spec("depthweave:protect=0.02,protect_names=2,protect_records=6,recall=8", version=3)
+        == "depthweave"
     )
     # spec version 6: DepthWeave keeps long numbers' names exact; version-5 rows did not
-    assert canonical_spec("depthweave", version=5) == "depthweave:protect_names=0,protect_records=0"
-    assert canonical_spec("depthweave:protect_names=2,protect_records=6", version=5) == "depthweave"
+    assert canonical_spec("depthweave", version=5) == "depthweave:protect_names=0,protect_records=0,recall=0"
+    assert canonical_spec("depthweave:protect_names=2,protect_records=6,recall=8", version=5) == "depthweave"
     # spec version 7: DepthWeave keeps repeated records' fields exact; version-6 rows did not
-    assert canonical_spec("depthweave", version=6) == "depthweave:protect_records=0"
-    assert canonical_spec("depthweave:protect_records=6", version=6) == "depthweave"
-    assert canonical_spec("depthweave:protect_records=0", version=7) == "depthweave:protect_records=0"
+    assert canonical_spec("depthweave", version=6) == "depthweave:protect_records=0,recall=0"
+    assert canonical_spec("depthweave:protect_records=6,recall=8", version=6) == "depthweave"
+    # spec version 8: DepthWeave rebuilds copied passages from their ids; version-7 rows did not
+    assert canonical_spec("depthweave", version=7) == "depthweave:recall=0"
+    assert canonical_spec("depthweave:recall=8", version=7) == "depthweave"
+    assert canonical_spec("depthweave:protect_records=0", version=8) == "depthweave:protect_records=0"
+    assert canonical_spec("xkv", version=7) == "xkv"  # xKV never had recall
     # spec version 3: exact tokens at 16 bits on float32 models; version-2 rows held them at the model's width
     assert canonical_spec("window:ratio=0.25", version=2) == "window:ratio=0.25,storage=model"
     assert canonical_spec("window:ratio=0.25", version=3) == "window:ratio=0.25"

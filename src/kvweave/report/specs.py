@@ -20,6 +20,7 @@ LEGACY_DEFAULTS: dict[str, dict[int, dict[str, Any]]] = {
         4: {"protect": 0.0},
         6: {"protect_names": 0},
         7: {"protect_records": 0},
+        8: {"recall": 0},
     },
     "dkcache": {2: {"bits": 16, "decouple": True}, 3: {"storage": "model"}},
     "h2o": {3: {"storage": "model"}},
@@ -43,7 +44,7 @@ teacher-forced tokens, or stepwise perplexity) read with the old value; other ro
 today, so a short answer's recorded value of such an option counts only where its spec set it."""
 
 
-SPEC_VERSION = 7
+SPEC_VERSION = 8
 """Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
 current option names or defaults, and :func:`canonical_spec` reads them with :data:`LEGACY_DEFAULTS`.
 Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
@@ -52,7 +53,8 @@ DepthWeave keeps retrievable-looking prompt tokens exact (``protect=0.02``); ver
 buffer holds its unfolded tokens beyond ``recent`` as 4-bit blocks and takes more of the generated tokens'
 budget (``middle_bits=4``, ``recent_share=0.8``; long generations only: :data:`LONG_GENERATION_DEFAULTS`);
 version 6: DepthWeave keeps long numbers' names exact with them (``protect_names=2``); version 7: DepthWeave keeps
-the fields of repeated records exact, whatever their characters (``protect_records=6``)."""
+the fields of repeated records exact, whatever their characters (``protect_records=6``); version 8: DepthWeave
+rebuilds a passage the decode starts copying from its token ids (``recall=8``)."""
 
 
 def canonical_spec(

@@ -41,13 +41,13 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   exact vs stored KV; relative output error) pick ``r_K`` and ``r_V`` per group and batch row: the cheapest
   pair meeting ``target_error``, or the best pair inside the byte budget of ``compression`` (everything the
   group holds, recent buffer, exact rows and indices included, against a 16-bit full cache of the group).
-- ``recall=N`` (off, being measured: docs/findings.md, twenty-sixth and twenty-seventh sessions): when a decode
-  step's newest ``N`` ids occurred before, the passage that followed them is rebuilt from its token ids (one
-  forward pass, 64 tokens of context) and attended in place of its stored form (its exact rows excepted) while
-  the copy goes on, as 4-bit blocks (``recall_bits``); the bytes count while held
-  (:mod:`kvweave.methods.depthweave.recall`). Transformers paths
-  only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the same ids and
-  rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
+- ``recall=N`` (default 8 since spec version 8; 0 turns it off: docs/findings.md, twenty-sixth to
+  twenty-eighth sessions): when a decode step's newest ``N`` ids occurred before, the passage that followed
+  them is rebuilt from its token ids (one forward pass, 64 tokens of context) and attended in place of its
+  stored form (its exact rows excepted) while the copy goes on, as 4-bit blocks (``recall_bits``); their bytes
+  count while held, the ids (8 bytes a position) always (:mod:`kvweave.methods.depthweave.recall`).
+  Transformers paths only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the
+  same ids and rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
@@ -321,9 +321,9 @@ class DepthWeave(Method):
         1.0, "attention weighting of the SVD rows: weight 1 + weighting·attention/mean", tuning=True
     )
     recall: int = option(
-        0,
+        8,
         "decode steps whose newest N ids occurred before rebuild the passage that followed them from its token "
-        "ids (one forward pass over it) and attend to it while the copy goes on; 0: off (being measured)",
+        "ids (one forward pass over it) and attend to it while the copy goes on; 0: off",
         tuning=True,
     )
     recall_bits: int = option(
