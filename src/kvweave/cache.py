@@ -56,6 +56,25 @@ def make_cache(
 # ------------------------------------------------------------------------------------------------ cache
 
 
+ID_DTYPE = torch.int32
+"""How the cache holds token ids (every vocabulary fits; 4 bytes a position, counted where a method reads them)."""
+
+
+def as_ids(token_ids: Any) -> torch.Tensor:
+    """``token_ids`` (a tensor, list or array of integers) as a tensor of :data:`ID_DTYPE`; a one-line error for
+    anything else (floats, values outside int32)."""
+    ids = torch.as_tensor(token_ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"token ids must be integers, got {ids.dtype}: pass the tokenizer's input_ids")
+    if (
+        ids.dtype != ID_DTYPE
+        and ids.numel()
+        and (int(ids.min()) < 0 or int(ids.max()) > torch.iinfo(ID_DTYPE).max)
+    ):
+        raise ValueError("token ids must lie in 0 .. 2**31 - 1: pass the tokenizer's input_ids")
+    return ids.to(ID_DTYPE)
+
+
 @dataclasses.dataclass
 class StepPositions(Stateful):
     """The RoPE positions of one forward call, computed once and read by every layer of the cache."""
@@ -101,13 +120,13 @@ class CacheContext(Stateful):
 
     @prompt_ids.setter
     def prompt_ids(self, ids: torch.Tensor | None) -> None:
-        self._id_parts = [] if ids is None else [ids]
+        self._id_parts = [] if ids is None else [as_ids(ids)]
 
     def observe(self, input_ids: torch.Tensor, first: int) -> None:
         """Keep ``input_ids: [B, q]`` as the ids of positions ``first .. first+q-1``: the first pass sets
         :attr:`prompt_ids`, a pass that continues them appends, ids already held (``set_prompt``) are kept.
         A pass after a gap (ids never seen for earlier positions) is not kept: positions would not line up."""
-        ids = input_ids.detach().to(torch.int64)
+        ids = input_ids.detach().to(ID_DTYPE)
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         held = sum(int(p.shape[-1]) for p in self._id_parts)
         if held == first:
@@ -196,7 +215,7 @@ class KVCache(Cache):
         (``[n]`` or ``[B, n]``) and, optionally, the tokenizer. Not needed on any path through a prepared model
         (each forward pass hands its ids over, :meth:`observe_input_ids`); ids given here are kept and later
         passes only append. Methods that do not read token ids ignore both."""
-        self.context.prompt_ids = torch.as_tensor(token_ids)
+        self.context.prompt_ids = token_ids
         if tokenizer is not None:
             self.context.tokenizer = tokenizer
 

@@ -1154,6 +1154,18 @@ def _feed(model, cache, stream, start, stop, watch=()):
     return torch.stack(logits), seen
 
 
+def test_the_cache_holds_token_ids_in_four_bytes_and_refuses_what_is_not_ids(model):
+    """Ids given to ``set_prompt`` (any integer dtype) are held as int32, what recall counts; floats and ids past
+    int32 are a one-line error, not a silent cast."""
+    cache = kvweave.make_cache("depthweave", model, **SMALL)
+    cache.set_prompt(torch.tensor([[5, 6, 7]], dtype=torch.int64))
+    assert cache.context.prompt_ids.dtype == torch.int32 and cache.context.prompt_ids.tolist() == [[5, 6, 7]]
+    with pytest.raises(ValueError, match="must be integers"):
+        cache.set_prompt(torch.tensor([1.5, 2.0]))
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        cache.set_prompt(torch.tensor([2**40]))
+
+
 def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(model):
     """Once a decode step's newest ids repeat earlier ones, every DepthWeave layer holds the passage that followed
     them, rebuilt from its ids at its positions: with its whole context inside CONTEXT, the keys and values a full
@@ -1172,8 +1184,9 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     assert not seen[197][0]  # nothing rebuilt before the copy
     assert caches[0][0].context.decode_state is None  # recall off: no index, nothing rebuilt
     assert cache.context.decode_state.rebuilds >= 1
-    # what recall reads is counted: the ids (8 bytes each), 198 at step 197; nothing else is stored to match them
-    assert seen[197][1] - caches[0][2][197][1] == 198 * 8
+    # what recall reads is counted: the ids (4 bytes each), 198 at step 197; nothing else is stored to match them
+    assert seen[197][1] - caches[0][2][197][1] == 198 * 4
+    assert cache.context.prompt_ids.dtype == torch.int32
     held, held_bytes = seen[210]
     keys, values, slots = held[0]
     # slot 198 copies the prompt's slot 4: at step 210 the newest 4 ids are slots 13-16's, the copy reads 17 next

@@ -146,6 +146,14 @@ HEADLINES: dict[str, Headline] = {
         if (short, what) != ("dwr", "bound")  # the same bound as the default's
     },
     **{
+        f"{short}-16k-{what}-v8": Headline(
+            "docs/data/bench/bench-16k-v11.jsonl", method, field, "{:.2f}x", (("context", 16384),)
+        )
+        for short, method in (("dw", "depthweave"), ("dw0", "depthweave:recall=0"))
+        for what, field in (("speed", "speedup"), ("bound", "bound"))
+        if (short, what) != ("dw0", "bound")  # the same bound as the default's
+    },
+    **{
         f"{short}-repeat-16k-{what}": Headline(
             "docs/data/bench/recall-speed-16k-v2.jsonl",
             method,

@@ -45,7 +45,7 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   twenty-eighth sessions): when a decode step's newest ``N`` ids occurred before, the passage that followed
   them is rebuilt from its token ids (one forward pass, 64 tokens of context) and attended in place of its
   stored form (its exact rows excepted) while the copy goes on, as 4-bit blocks (``recall_bits``); their bytes
-  count while held, the ids (8 bytes a position) always (:mod:`kvweave.methods.depthweave.recall`).
+  count while held, the ids (4 bytes a position) always (:mod:`kvweave.methods.depthweave.recall`).
   Transformers paths only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the
   same ids and rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
@@ -478,7 +478,7 @@ class DepthWeave(Method):
         state.step(cache, decoder)
 
     def context_tensors(self, context: Any) -> list[torch.Tensor]:
-        """With ``recall``: the token ids of every position (8 bytes each), which it matches while decoding."""
+        """With ``recall``: the token ids of every position (4 bytes each), which it matches while decoding."""
         ids = context.prompt_ids if self.recall > 0 else None
         return [] if ids is None else [ids]
 

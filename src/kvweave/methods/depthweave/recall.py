@@ -12,7 +12,7 @@ on (:data:`FRESH` steps after the last match). A copy that runs past the rebuilt
 What is rebuilt is not the exact KV (the passage sees :data:`CONTEXT` tokens of context, not everything before
 it), and it is held beside the compressed stores while it is used, as 4-bit blocks of the middle tier's layout
 (``recall_bits=4``, attended from their codes) or at 16 bits (``recall_bits=16``): those bytes count in
-``nbytes()`` and are given back when the copy ends; so do the token ids (8 bytes a position), which the match
+``nbytes()`` and are given back when the copy ends; so do the token ids (4 bytes a position), which the match
 reads with ``N`` vector comparisons a step (:func:`copy_source`; nothing else is stored for it). Decode steps
 only (one new token per row); a prompt's own repeats are the prompt's. The state here (the spans held) is never
 saved: a loaded cache matches from its saved ids.
@@ -128,7 +128,7 @@ class Recall:
         ids = cache.context.prompt_ids
         assert ids is not None
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
-        segment = ids[row : row + 1, first:stop].to(layers[0].device)
+        segment = ids[row : row + 1, first:stop].to(layers[0].device, torch.int64)
         positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
         rebuilt = DynamicCache(config=decoder.config)
         with torch.no_grad():
