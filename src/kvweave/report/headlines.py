@@ -543,6 +543,21 @@ HEADLINES: dict[str, Headline] = {
         )
         for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
     },
+    **{  # 8K multi-key and code (12 samples), the default since spec version 8 beside `full`
+        f"{short}-{task_short}-8k-score": Headline(
+            rows, method, "score", fmt, (("task", task), ("context", 8192)), summary="mean", scale=100
+        )
+        for task_short, task, rows, fmt in (
+            ("mk", "niah_multikey", "docs/data/runs/rec-8k-mk/rows.jsonl", "{:.0f} %"),
+            (
+                "code",
+                "code",
+                ("docs/data/runs/rec-8k-code/rows.jsonl", "docs/data/runs/rec-8k-code-seed1/rows.jsonl"),
+                "{:.1f} %",
+            ),
+        )
+        for short, method in (("full", "full"), ("dw8", "depthweave:recall=8"))
+    },
     **{
         f"rec8k-dw8-{task_short}": Headline(
             f"docs/data/runs/{folder}/rows.jsonl",
