@@ -114,6 +114,49 @@ LONGGEN_ROWS: dict[int, str | tuple[str, ...]] = {
 the first run of that column)."""
 
 
+def _runs(folders: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """Run folders' rows files: one folder or several."""
+    if isinstance(folders, str):
+        return f"docs/data/runs/{folders}/rows.jsonl"
+    return tuple(f"docs/data/runs/{folder}/rows.jsonl" for folder in folders)
+
+
+_CODE_8K = ("rec-8k-code", "rec-8k-code-seed1")
+NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...]], ...] = (
+    ("mq-4k", "niah_multiquery", 4096, "dw20-mq-4k", "recall-mq-4k"),
+    ("mk-4k", "niah_multikey", 4096, "dw20-mk-4k", "recall-mk-4k"),
+    ("code-4k", "code", 4096, "dw-code-4k-v4", "recall-code-4k"),
+    ("mq-8k", "niah_multiquery", 8192, "recall-8k-mq", "recall-8k-mq"),
+    ("common-8k", "niah_multiquery_common", 8192, "records-8k-values", "recall-8k-values"),
+    ("hex-8k", "niah_multivalue_hex", 8192, "recall2-8k-hex", "recall2-8k-hex"),
+    ("qa-8k", "niah_multiquery_common", 8192, "recall-8k-qa", "recall-8k-qa"),
+    ("pydoc-8k", "niah_multiquery_common", 8192, "recall-8k-pydoc", "recall-8k-pydoc"),
+    ("code-8k", "code", 8192, _CODE_8K, _CODE_8K),
+)
+"""The README's table of DepthWeave's default (rows written as ``depthweave:recall=8``, the same configuration):
+(name, task, context, `full`'s run folders, the default's); each row's two methods ran on the same samples."""
+
+X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", "depthweave:recall=8"),
+    ("mq", "niah_multiquery", "dw-8k-v4", "dw-8k-names", "depthweave:protect_names=2"),
+    ("word", "niah_word", "dw-8k-v4-b", "dw-8k-names", "depthweave:protect_names=2"),
+    ("uuid", "niah_uuid", "dw-8k-v4-b", "dw-8k-names", "depthweave:protect_names=2"),
+    ("code", "code", "dw-8k-v4-b", "rec-8k-code", "depthweave:recall=8"),
+)
+"""The README's xKV table at 8K (pydoc haystack, code): (name, task, the folder of `full`, `xkv` and
+DepthWeave at 16x, the folder of DepthWeave's newest configuration on the same samples, its spec); word, UUID
+and multi-query were last run with the spec-version-6 default, whose figures name it."""
+
+LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("quant", "quant", (1024, 4096, 8192)),
+    ("dkcache", "dkcache", (1024, 4096)),
+    ("xkv", "xkv", (1024, 4096)),
+    ("snapkv", "snapkv", (1024, 4096)),
+    ("h2o", "h2o", (1024, 4096, 8192)),
+)
+"""The baselines' long-generation cells that have rows (an 8K cell is added when its run lands)."""
+
+
 HEADLINES: dict[str, Headline] = {
     **{
         f"{short}-16k-speed": Headline(
@@ -611,6 +654,69 @@ HEADLINES: dict[str, Headline] = {
             ("dw16", "depthweave:compression=16.0"),
             ("xkv", "xkv"),
         )
+    },
+    # the README's table of today's default beside `full` (each row's two methods on the same samples)
+    **{
+        f"now-{name}-{short}": Headline(
+            _runs(full_runs if method == "full" else default_runs),
+            method,
+            field,
+            fmt,
+            (("task", task), ("context", context)),
+            summary="mean" if field == "score" else "range",
+            scale=100 if field == "score" else 1,
+        )
+        for name, task, context, full_runs, default_runs in NOW_ROWS
+        for short, method, field, fmt in (
+            ("full", "full", "score", "{:.0f} %"),
+            ("dw", "depthweave:recall=8", "score", "{:.0f} %"),
+            ("dwx", "depthweave:recall=8", "compression", "{:.1f}x"),
+        )
+    },
+    # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
+    **{
+        f"x8-{name}-{short}": Headline(
+            f"docs/data/runs/{dw_folder if short == 'dw' else folder}/rows.jsonl",
+            dw_method if short == "dw" else method,
+            field,
+            fmt,
+            (("task", task), ("context", 8192)),
+            summary="mean" if field == "score" else "range",
+            scale=100 if field == "score" else 1,
+        )
+        for name, task, folder, dw_folder, dw_method in X8_ROWS
+        for short, method, field, fmt in (
+            ("full", "full", "score", "{:.0f} %"),
+            ("dw", "", "score", "{:.0f} %"),
+            ("xkv", "xkv", "score", "{:.0f} %"),
+            ("dw16", "depthweave:compression=16.0", "score", "{:.0f} %"),
+        )
+    },
+    **{  # the xKV table's compression, over its tasks
+        f"x8-{short}-compression": Headline(
+            _runs(folders), method, "compression", "{:.1f}x", (("context", 8192),), summary="range"
+        )
+        for short, method, folders in (
+            ("xkv", "xkv", ("dw-8k-v4", "dw-8k-v4-b")),
+            ("dw16", "depthweave:compression=16.0", ("dw-8k-v4", "dw-8k-v4-b")),
+            ("dw8", "depthweave:recall=8", ("rec-8k-mk", "rec-8k-code")),
+            ("dw6", "depthweave:protect_names=2", "dw-8k-names"),
+        )
+    },
+    # the README's long-generation table: every baseline's cells that have rows
+    **{
+        f"lg-{short}-{n // 1024}k-{what}": Headline(
+            LONGGEN_ROWS[n],
+            method,
+            field,
+            fmt,
+            (("task", "niah_multikey"), ("generated", n)),
+            summary="mean" if field == "score" else "range",
+            scale=100 if field == "score" else 1,
+        )
+        for short, method, lengths in LONGGEN_BASELINES
+        for n in lengths
+        for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
     },
 }
 """Every headline figure of the README and the findings, by the name its span carries."""
