@@ -143,9 +143,10 @@ X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("uuid", "niah_uuid", "dw-8k-v4-b", "dw-8k-names", "depthweave:protect_names=2"),
     ("code", "code", "dw-8k-v4-b", "rec-8k-code", "depthweave:recall=8"),
 )
-"""The README's xKV table at 8K (pydoc haystack, code): (name, task, the folder of `full`, `xkv` and
-DepthWeave at 16x, the folder of DepthWeave's newest configuration on the same samples, its spec); word, UUID
-and multi-query were last run with the spec-version-6 default, whose figures name it."""
+"""The README's xKV table at 8K (pydoc haystack, code): (name, task, the folder of `full` and `xkv`, the folder
+of DepthWeave's newest configuration on the same samples, its spec; DepthWeave at 16x is today's default in
+``v8-8k``, the same samples); word, UUID and multi-query at 8x were last run with the spec-version-6 default,
+whose figures name it."""
 
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
@@ -676,7 +677,7 @@ HEADLINES: dict[str, Headline] = {
     # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
     **{
         f"x8-{name}-{short}": Headline(
-            f"docs/data/runs/{dw_folder if short == 'dw' else folder}/rows.jsonl",
+            f"docs/data/runs/{dw_folder if short == 'dw' else 'v8-8k' if short == 'dw16' else folder}/rows.jsonl",
             dw_method if short == "dw" else method,
             field,
             fmt,
@@ -698,7 +699,7 @@ HEADLINES: dict[str, Headline] = {
         )
         for short, method, folders in (
             ("xkv", "xkv", ("dw-8k-v4", "dw-8k-v4-b")),
-            ("dw16", "depthweave:compression=16.0", ("dw-8k-v4", "dw-8k-v4-b")),
+            ("dw16", "depthweave:compression=16.0", "v8-8k"),
             ("dw8", "depthweave:recall=8", ("rec-8k-mk", "rec-8k-code")),
             ("dw6", "depthweave:protect_names=2", "dw-8k-names"),
         )
