@@ -3,8 +3,8 @@
 For every trial of a ``kvweave eval`` plan (the same samples: task, context, trials, haystack) this prints one
 JSON line: the value's tokens with the score :func:`~kvweave.methods.depthweave.router.retrievable_scores`
 gives each (today's default rules: ``protect_names=2``, ``protect_records=6``), ``protect``'s rows at its
-fraction of the prompt, the score a token needs to be among them, and how many of the prompt's tokens score at
-least that. A value whose tokens score below the threshold is left to the ranks. Example (docs/findings.md,
+fraction of the prompt, the score a token needs to be among them, how many of the prompt's tokens score at
+least that, and how many score at least the value's best piece (the rows it would take to reach it). A value whose tokens score below the threshold is left to the ranks. Example (docs/findings.md,
 thirtieth session: why word values break at 16x)::
 
     KVWEAVE_DATA=../shared/data python benchmarks/depthweave_needle_rows.py --task niah_word --context 8192
@@ -82,6 +82,8 @@ def main() -> None:
             span = range(start, start + length)
             row["value_tokens"] = [tokenizer.decode([listed[i]]) for i in span]
             row["value_scores"] = [round(float(score[i]), 2) for i in span]
+            best = max(float(score[i]) for i in span)  # rows it would take to reach the value's best piece
+            row["at_or_above_value"] = int((score >= best).sum()) if best > 0 else None
             # tokens tied at the threshold share its last rows: kept for certain only when all the ties fit
             ties_fit = int((score >= threshold).sum()) <= rows
             row["kept_exact"] = [
