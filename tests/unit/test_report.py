@@ -190,6 +190,35 @@ def test_several_runs_and_models(run_dir: Path, tmp_path: Path) -> None:
     assert "tiny \u00b7 kvpress:SnapKV" in html and "small \u00b7 full" in html
 
 
+def test_rows_copied_to_resume_beside_them_count_once_across_runs(run_dir: Path, tmp_path: Path) -> None:
+    from kvweave.report.markdown import render as render_markdown
+
+    rows = fake_rows()
+    full = [r for r in rows if r["method"] == "full"]
+    # a second run resumed beside a copy of the first's full rows, plus one new full trial of its own
+    new_trial = dict(full[0], trial=7, seed=7, key="full|passkey|1024|7", decode_tok_s=99.0)
+    extra = dict(full[0], method="window:ratio=0.125", key="w", kv_bytes=full[0]["kv_bytes"] // 8)
+    copied = write_run(tmp_path / "resumed", [*full, new_trial, extra])
+    runs = [load_run(run_dir), load_run(copied)]
+    assert len(data.unique_rows(runs)) == len(rows) + 2
+    pooled = data.pooled_summary(runs)
+    counts: dict[tuple[str, str, int], int] = {}
+    for entry in pooled:
+        key = (entry["method"], entry["task"], entry["context"])
+        counts[key] = counts.get(key, 0) + entry["n"]
+    assert counts[("full", "passkey", 1024)] == 4  # three trials once, the new one
+    assert counts[("full", "passkey", 2048)] == 3  # not six
+    # the resumed run's entries keep its own speed ratio, against the full rows in its folder (copied or not)
+    window = next(e for e in pooled if e["method"] == "window:ratio=0.125")
+    assert window["run"] == "resumed" and window["speed_vs_full"] is not None
+    markdown = render_markdown(runs)
+    assert f"{len(rows) + 2} result rows and {len(full)} copies" in markdown
+    tables = markdown.split("## Results by context length")[1].split("## Runs")[0]
+    assert "| `full` | 100% (3) | 100% (4) |" in tables  # 1K: multi-key three trials, passkey four
+    assert "| `full` | 100% (3) | 100% (3) |" in tables  # 2K: the copies not counted again
+    assert "(6)" not in tables.split("window:ratio=0.25")[0]
+
+
 def test_cli_report(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.html"
     assert main(["report", str(run_dir), "-o", str(out), "--md", str(tmp_path / "s.md")]) == 0

@@ -260,6 +260,49 @@ def run_summary(run: Run) -> list[dict[str, Any]]:
     return summary
 
 
+def _row_key(row: dict[str, Any]) -> str:
+    return json.dumps(row, sort_keys=True)
+
+
+def unique_rows(runs: Iterable[Run]) -> list[dict[str, Any]]:
+    """Every eval row of ``runs`` once: a row copied into another folder to resume beside it (the same row,
+    field for field) is a copy, not another trial."""
+    seen: set[str] = set()
+    rows = []
+    for run in runs:
+        for row in run.rows:
+            key = _row_key(row)
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
+    return rows
+
+
+def pooled_summary(runs: Iterable[Run]) -> list[dict[str, Any]]:
+    """The summaries of ``runs`` for the tables across runs, each row counted once (see :func:`unique_rows`):
+    a run's entries cover the rows no earlier run holds, and keep the speed ratio of the run's own summary
+    (against the ``full`` rows in its folder, copied or not)."""
+    seen: set[str] = set()
+    pooled = []
+    for run in runs:
+        ratios = {
+            (e.get("model"), e["method"], e["task"], e["context"]): e["speed_vs_full"]
+            for e in run_summary(run)
+        }
+        fresh = []
+        for row in run.rows:
+            key = _row_key(row)
+            if key not in seen:
+                seen.add(key)
+                fresh.append(row)
+        for entry in runner.summarize(fresh):
+            key4 = (entry.get("model"), entry["method"], entry["task"], entry["context"])
+            entry["speed_vs_full"] = ratios.get(key4)
+            entry["run"] = run.name
+            pooled.append(entry)
+    return pooled
+
+
 CSV_COLUMNS = (
     "run",
     "model",

@@ -346,10 +346,13 @@ def contents_markdown(body: str) -> str:
 def render(runs: list[Run]) -> str:
     """The markdown summary of ``runs``: contents, the guide, tables by length, perplexity, then each run."""
     summaries = [data.run_summary(run) for run in runs]
-    summary = [entry for run_entries in summaries for entry in run_entries]
-    rows, windows = sum(len(run.rows) for run in runs), sum(len(run.ppl) for run in runs)
+    summary = data.pooled_summary(runs)  # across runs, a row copied to resume beside it counts once
+    rows, windows = len(data.unique_rows(runs)), sum(len(run.ppl) for run in runs)
+    copies = sum(len(run.rows) for run in runs) - rows
     bench, serving = sum(len(run.bench) for run in runs), sum(len(run.serving) for run in runs)
-    counts = f"{rows} result rows" + (f", {windows} perplexity rows" if windows else "")
+    counts = f"{rows} result rows"
+    counts += f" and {copies} copies of them in the folders that resumed beside them" if copies else ""
+    counts += f", {windows} perplexity rows" if windows else ""
     counts += f", {bench} bench rows" if bench else ""
     counts += f", {serving} serving rows" if serving else ""
     noun = "run folder" if all(run.path.is_dir() for run in runs) else "run"

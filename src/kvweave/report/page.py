@@ -551,9 +551,9 @@ def runs_section(runs: list[Run], summaries: list[list[dict[str, Any]]]) -> str:
 
 def render(runs: list[Run]) -> str:
     """The whole HTML page for ``runs``."""
-    rows = [row for run in runs for row in run.rows]
+    rows = data.unique_rows(runs)  # across runs, a row copied to resume beside it counts once
     summaries = [data.run_summary(run) for run in runs]
-    summary = [entry for run_entries in summaries for entry in run_entries]
+    summary = data.pooled_summary(runs)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     names = ", ".join(run.name for run in runs)
     ppl, bench = sum(len(run.ppl) for run in runs), sum(len(run.bench) for run in runs)
