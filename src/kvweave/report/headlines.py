@@ -138,15 +138,14 @@ NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...
 
 X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", "depthweave:recall=8"),
-    ("mq", "niah_multiquery", "dw-8k-v4", "dw-8k-names", "depthweave:protect_names=2"),
-    ("word", "niah_word", "dw-8k-v4-b", "dw-8k-names", "depthweave:protect_names=2"),
-    ("uuid", "niah_uuid", "dw-8k-v4-b", "dw-8k-names", "depthweave:protect_names=2"),
+    ("mq", "niah_multiquery", "dw-8k-v4", "v8-8k", "depthweave"),
+    ("word", "niah_word", "dw-8k-v4-b", "v8-8k", "depthweave"),
+    ("uuid", "niah_uuid", "dw-8k-v4-b", "v8-8k", "depthweave"),
     ("code", "code", "dw-8k-v4-b", "rec-8k-code", "depthweave:recall=8"),
 )
 """The README's xKV table at 8K (pydoc haystack, code): (name, task, the folder of `full` and `xkv`, the folder
 of DepthWeave's newest configuration on the same samples, its spec; DepthWeave at 16x is today's default in
-``v8-8k``, the same samples); word, UUID and multi-query at 8x were last run with the spec-version-6 default,
-whose figures name it."""
+``v8-8k``, the same samples; multi-key and code at 8x are the ``depthweave:recall=8`` rows, today's default)."""
 
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
@@ -701,7 +700,7 @@ HEADLINES: dict[str, Headline] = {
             ("xkv", "xkv", ("dw-8k-v4", "dw-8k-v4-b")),
             ("dw16", "depthweave:compression=16.0", "v8-8k"),
             ("dw8", "depthweave:recall=8", ("rec-8k-mk", "rec-8k-code")),
-            ("dw6", "depthweave:protect_names=2", "dw-8k-names"),
+            ("dw", "depthweave", "v8-8k"),
         )
     },
     # the README's long-generation table: every baseline's cells that have rows
