@@ -121,6 +121,15 @@ def _runs(folders: str | tuple[str, ...]) -> str | tuple[str, ...]:
     return tuple(f"docs/data/runs/{folder}/rows.jsonl" for folder in folders)
 
 
+def _cell(
+    rows: str | tuple[str, ...], method: str, field: str, where: tuple[tuple[str, Any], ...]
+) -> Headline:
+    """A table cell's figure: ``score`` as the mean in percent, ``compression`` as the range."""
+    if field == "score":
+        return Headline(rows, method, field, "{:.0f} %", where, summary="mean", scale=100)
+    return Headline(rows, method, field, "{:.1f}x", where, summary="range")
+
+
 _CODE_8K = ("rec-8k-code", "rec-8k-code-seed1")
 NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...]], ...] = (
     ("mq-4k", "niah_multiquery", 4096, "dw20-mq-4k", "recall-mq-4k"),
@@ -551,14 +560,8 @@ HEADLINES: dict[str, Headline] = {
         for context in (8192, 16384)
     },
     **{
-        f"longgen-{short}-{n // 1024}k-{what}": Headline(
-            LONGGEN_ROWS[n],
-            method,
-            field,
-            fmt,
-            (("task", "niah_multikey"), ("generated", n)),
-            summary="mean" if field == "score" else "range",
-            scale=100 if field == "score" else 1,
+        f"longgen-{short}-{n // 1024}k-{field}": _cell(
+            LONGGEN_ROWS[n], method, field, (("task", "niah_multikey"), ("generated", n))
         )
         for n in LONGGEN_ROWS
         for short, method in (
@@ -566,25 +569,19 @@ HEADLINES: dict[str, Headline] = {
             ("dw", "depthweave:protect_records=6"),
             ("dw8", "depthweave:recall=8"),  # the default since spec version 8
         )
-        for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
-        if (short, what) != ("full", "compression")
+        for field in ("score", "compression")
+        if (short, field) != ("full", "compression")
     },
     # the default since spec version 8 (recall) on the tables the spec-version-7 figures above come from
     **{
-        f"dw8-{task_short}-4k-{what}": Headline(
-            f"docs/data/runs/{folder}/rows.jsonl",
-            "depthweave:recall=8",
-            field,
-            fmt,
-            (("task", task), ("context", 4096)),
-            summary="mean" if field == "score" else "range",
-            scale=100 if field == "score" else 1,
+        f"dw8-{task_short}-4k-{field}": _cell(
+            _runs(folder), "depthweave:recall=8", field, (("task", task), ("context", 4096))
         )
         for task_short, task, folder in (
             ("mq", "niah_multiquery", "recall-mq-4k"),
             ("mk", "niah_multikey", "recall-mk-4k"),
         )
-        for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
+        for field in ("score", "compression")
     },
     **{  # 8K multi-key and code (12 samples), the default since spec version 8 beside `full`
         f"{short}-{task_short}-8k-score": Headline(
@@ -657,39 +654,23 @@ HEADLINES: dict[str, Headline] = {
     },
     # the README's table of today's default beside `full` (each row's two methods on the same samples)
     **{
-        f"now-{name}-{short}": Headline(
-            _runs(full_runs if method == "full" else default_runs),
-            method,
-            field,
-            fmt,
-            (("task", task), ("context", context)),
-            summary="mean" if field == "score" else "range",
-            scale=100 if field == "score" else 1,
-        )
+        f"now-{name}-{short}": _cell(_runs(runs), method, field, (("task", task), ("context", context)))
         for name, task, context, full_runs, default_runs in NOW_ROWS
-        for short, method, field, fmt in (
-            ("full", "full", "score", "{:.0f} %"),
-            ("dw", "depthweave:recall=8", "score", "{:.0f} %"),
-            ("dwx", "depthweave:recall=8", "compression", "{:.1f}x"),
+        for short, runs, method, field in (
+            ("full", full_runs, "full", "score"),
+            ("dw", default_runs, "depthweave:recall=8", "score"),
+            ("dwx", default_runs, "depthweave:recall=8", "compression"),
         )
     },
     # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
     **{
-        f"x8-{name}-{short}": Headline(
-            f"docs/data/runs/{dw_folder if short == 'dw' else 'v8-8k' if short == 'dw16' else folder}/rows.jsonl",
-            dw_method if short == "dw" else method,
-            field,
-            fmt,
-            (("task", task), ("context", 8192)),
-            summary="mean" if field == "score" else "range",
-            scale=100 if field == "score" else 1,
-        )
+        f"x8-{name}-{short}": _cell(_runs(runs), method, "score", (("task", task), ("context", 8192)))
         for name, task, folder, dw_folder, dw_method in X8_ROWS
-        for short, method, field, fmt in (
-            ("full", "full", "score", "{:.0f} %"),
-            ("dw", "", "score", "{:.0f} %"),
-            ("xkv", "xkv", "score", "{:.0f} %"),
-            ("dw16", "depthweave:compression=16.0", "score", "{:.0f} %"),
+        for short, runs, method in (
+            ("full", folder, "full"),
+            ("dw", dw_folder, dw_method),
+            ("xkv", folder, "xkv"),
+            ("dw16", "v8-8k", "depthweave:compression=16.0"),
         )
     },
     **{  # the xKV table's compression, over its tasks
@@ -705,18 +686,12 @@ HEADLINES: dict[str, Headline] = {
     },
     # the README's long-generation table: every baseline's cells that have rows
     **{
-        f"lg-{short}-{n // 1024}k-{what}": Headline(
-            LONGGEN_ROWS[n],
-            method,
-            field,
-            fmt,
-            (("task", "niah_multikey"), ("generated", n)),
-            summary="mean" if field == "score" else "range",
-            scale=100 if field == "score" else 1,
+        f"lg-{short}-{n // 1024}k-{field}": _cell(
+            LONGGEN_ROWS[n], method, field, (("task", "niah_multikey"), ("generated", n))
         )
         for short, method, lengths in LONGGEN_BASELINES
         for n in lengths
-        for what, field, fmt in (("score", "score", "{:.0f} %"), ("compression", "compression", "{:.1f}x"))
+        for field in ("score", "compression")
     },
 }
 """Every headline figure of the README and the findings, by the name its span carries."""
