@@ -1382,3 +1382,97 @@ def test_recall_goes_on_after_a_save_and_load(model, tmp_path):
     resumed, seen = _feed(model, loaded, stream, 190, stream.shape[1] - 1, watch=(215,))
     assert seen[215][0]  # rebuilt after the load
     torch.testing.assert_close(resumed, went_on)
+
+
+# -- quote: what a question fed after its document quotes, rebuilt from its token ids
+
+
+def test_quote_sources_finds_runs_that_occurred_once_longest_first():
+    """A run of new windows each seen exactly once before, in the earlier slots given, is one quote: its length
+    in windows and the slot after its last window's earlier occurrence. Windows seen twice, or only among the new
+    ids, or outside the slots given, are none."""
+    from kvweave.methods.depthweave.recall import quote_sources
+
+    old = [9, 1, 2, 3, 4, 9, 5, 6, 7, 9, 8, 8, 8, 9, 8, 8, 8, 9]
+    new = [0, 5, 6, 7, 0, 1, 2, 3, 4, 0, 8, 8, 8, 0, 0, 0, 0]
+    ids = torch.tensor(old + new)
+    seen = len(old)
+    assert quote_sources(ids, seen, 3, 0, seen) == [(2, 5), (1, 9)]  # 1 2 3 4 (two windows), then 5 6 7
+    assert quote_sources(ids, seen, 4, 0, seen) == [(1, 5)]
+    assert quote_sources(ids, seen, 3, 5, seen) == [(1, 9)]  # 1 2 3 4 lies before slot 5
+    assert quote_sources(ids, seen, 3, 0, 8) == [(2, 5)]  # 5 6 7 ends at slot 8: not wholly inside
+    assert quote_sources(ids, len(ids), 3, 0, seen) == []  # no new ids
+
+
+def _quote_stream(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """200 prompt ids with a six-id key (ids the rest never uses) at slots 30-35, and a 20-id question that
+    quotes it."""
+    torch.manual_seed(seed)
+    prompt = torch.randint(3, 140, (1, 200))
+    key = torch.arange(150, 156).view(1, -1)
+    prompt[:, 30:36] = key
+    question = torch.cat([torch.randint(3, 140, (1, 7)), key, torch.randint(3, 140, (1, 7))], dim=1)
+    return prompt, question
+
+
+@pytest.mark.parametrize("recall", [0, 8])
+def test_quote_rebuilds_the_passage_a_question_quotes_exactly_where_its_context_is_whole(model, recall):
+    """A question fed after its document (one multi-token step) that quotes a run of ids said once in the
+    compressed part: every layer holds the passage around that occurrence rebuilt from its ids (the keys and
+    values a full cache holds there, its context being whole), the question's own step attends to it (its logits
+    come closer to full's), its bytes count, and it is dropped FRESH decode steps after the question."""
+    from kvweave.methods.depthweave.recall import AFTER, BEFORE, FRESH
+
+    prompt, question = _quote_stream()
+    stream = torch.cat([prompt, question], dim=1)
+    reference = _reference_kv(model, stream)
+    with torch.no_grad():
+        exact = model(stream).logits[0, 200:]
+    errors, caches = {}, {}
+    for quote in (0, 4):
+        cache = kvweave.make_cache("depthweave", model, recall=recall, quote=quote, recall_bits=16, **SMALL)
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(prompt, **kw)
+            logits = model(question, **kw).logits[0]
+        errors[quote] = float((logits - exact).norm() / exact.norm())
+        caches[quote] = cache
+    cache = caches[4]
+    assert cache.context.decode_state.rebuilds == 1
+    source = 36  # the slot after the key's occurrence
+    for layer, (exact_k, exact_v) in enumerate(reference):
+        keys, values, slots = cache.layers[layer].recall[0]
+        assert slots.tolist() == list(range(source - BEFORE, source + AFTER))
+        torch.testing.assert_close(keys.float(), exact_k[:, slots], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(values.float(), exact_v[:, slots], atol=2e-3, rtol=2e-3)
+    assert errors[4] < errors[0]
+    rebuilt = sum(t.nbytes for layer in cache.layers for held in layer.recall.values() for t in held)
+    assert cache.nbytes() - caches[0].nbytes() >= rebuilt > 0
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        for t in range(FRESH + 1):
+            model(torch.tensor([[7 + t]]), **kw)
+    assert not any(layer.recall for layer in cache.layers)
+    assert cache.nbytes() < caches[0].nbytes() + rebuilt
+
+
+def test_quote_holds_several_passages_and_hides_only_their_stored_slots(model):
+    """Two quoted keys far apart: two spans rebuilt, held one after the other, and the attention over the
+    stored parts hides those slots only (a decode step's output is finite and differs from quote=0)."""
+    torch.manual_seed(1)
+    prompt = torch.randint(3, 140, (1, 260))
+    first, second = torch.arange(150, 155).view(1, -1), torch.arange(155, 160).view(1, -1)
+    prompt[:, 20:25], prompt[:, 150:155] = first, second
+    question = torch.cat([torch.randint(3, 140, (1, 4)), first, torch.tensor([[5, 6]]), second], dim=1)
+    outs = {}
+    for quote in (0, 3):
+        cache = kvweave.make_cache("depthweave", model, quote=quote, **SMALL)
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(prompt, **kw)
+            model(question, **kw)
+            outs[quote] = model(torch.tensor([[9]]), **kw).logits[0, -1]
+        if quote:
+            assert cache.layers[0].recall_spans[0] == [(9, 73), (139, 203)]  # BEFORE + AFTER each
+            assert cache.layers[0].recall[0][-1].tolist() == [*range(9, 73), *range(139, 203)]
+    assert torch.isfinite(outs[3]).all() and not torch.equal(outs[0], outs[3])

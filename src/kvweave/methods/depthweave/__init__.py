@@ -48,6 +48,13 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   count while held, the ids (4 bytes a position) always (:mod:`kvweave.methods.depthweave.recall`).
   Transformers paths only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the
   same ids and rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
+- ``quote=N`` (off by default; docs/findings.md, thirty-first session): a question fed after its document (a
+  multi-token step of at most 512 tokens over the compressed cache) rebuilds, the same way, the passages around
+  what it quotes — each run of ``N`` or more of its ids that occurred exactly once in the compressed part, up to
+  four passages a row, longest runs first — and that step and the decode steps after it attend to them. The
+  value a question asks for follows the words that name it, whatever it looks like (common words, hex), so its
+  exactness does not depend on ``protect``'s content rules. A question inside a prompt prefilled whole is no
+  such step (``pin_tokens`` covers that case).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
@@ -326,6 +333,13 @@ class DepthWeave(Method):
         "ids (one forward pass over it) and attend to it while the copy goes on; 0: off",
         tuning=True,
     )
+    quote: int = option(
+        0,
+        "a multi-token step of at most 512 tokens over the compressed cache (a question fed after its document): "
+        "each run of N or more of its ids that occurred once before rebuilds the passage around it (up to 4 a "
+        "row), attended by that step and the decode steps after it; 0: off",
+        tuning=True,
+    )
     recall_bits: int = option(
         4,
         "with recall: the rebuilt passage held as 4-bit blocks (the middle tier's layout) or at 16 bits",
@@ -384,6 +398,7 @@ class DepthWeave(Method):
         ({"drift": 0.9}, "drift"),
         ({"storage": "int8"}, "storage"),
         ({"recall": 1}, "recall"),
+        ({"quote": 1}, "quote"),
         ({"recall_bits": 8}, "recall_bits"),
     )
 
@@ -416,6 +431,11 @@ class DepthWeave(Method):
             raise ValueError(
                 f"{self.name}: option recall={self.recall!r} is out of range; allowed 0 (off) or 2 and more "
                 "(the ids a copy must match)"
+            )
+        if self.quote == 1 or self.quote < 0:
+            raise ValueError(
+                f"{self.name}: option quote={self.quote!r} is out of range; allowed 0 (off) or 2 and more "
+                "(the ids a quote must match)"
             )
         self.check_range("hi_tokens", 0.0, 1.0)
         self.check_range("lo_tokens", 0.0, 1.0 - self.hi_tokens)
@@ -470,16 +490,16 @@ class DepthWeave(Method):
     def before_forward(self, cache: KVCache, decoder: Any) -> None:
         """Before each forward pass (its ids observed): ``recall``'s copy detection and rebuilds
         (:mod:`kvweave.methods.depthweave.recall`)."""
-        if self.recall <= 0:
+        if self.recall <= 0 and self.quote <= 0:
             return
         state = cache.context.decode_state
         if not isinstance(state, Recall):
-            state = cache.context.decode_state = Recall(self.recall)
+            state = cache.context.decode_state = Recall(self.recall, self.quote)
         state.step(cache, decoder)
 
     def context_tensors(self, context: Any) -> list[torch.Tensor]:
         """With ``recall``: the token ids of every position (4 bytes each), which it matches while decoding."""
-        ids = context.prompt_ids if self.recall > 0 else None
+        ids = context.prompt_ids if self.recall > 0 or self.quote > 0 else None
         return [] if ids is None else [ids]
 
     def make_layer(self, cache: KVCache, layer_idx: int) -> DepthWeaveLayer:

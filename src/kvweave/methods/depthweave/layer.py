@@ -49,6 +49,8 @@ class DepthWeaveLayer(CompressedLayer):
         # batch row -> ``(exact slots, span slots, valid flags)``: which rebuilt entries the store's exact rows
         # replace, kept while neither tensor changes (exact rows are added as new tensors)
         self.recall_valid: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # batch row -> the ``[start, stop)`` spans its rebuilt slots are, in order (several: a question's quotes)
+        self.recall_spans: dict[int, list[tuple[int, int]]] = {}
 
     @property
     def recent(self) -> RecentBuffer:
@@ -69,7 +71,7 @@ class DepthWeaveLayer(CompressedLayer):
         self.recent.select_rows(rows)
         if self.layer_idx == self.group.members[-1]:
             self.group.select_rows(rows)
-        self.recall, self.recall_valid = {}, {}  # rebuilt at the next copy
+        self.recall, self.recall_valid, self.recall_spans = {}, {}, {}  # rebuilt at the next copy
         self.cache.context.decode_state = (
             None  # recall's spans, of the rows before: matched again from the ids
         )
@@ -176,9 +178,11 @@ class DepthWeaveLayer(CompressedLayer):
                 parts = store.attention_parts(self.layer_idx, rotary) if store is not None else []
             buffer = recent.parts(b, recent_slots, backend)
             parts.extend(buffer)
-            rebuilt = self.recall.get(b) if query.shape[2] == 1 else None  # decode steps only
+            # decode steps, and with ``quote`` the multi-token steps too (a question attends what it quotes)
+            rebuilt = self.recall.get(b) if query.shape[2] == 1 or self.method.quote > 0 else None
             if rebuilt is not None:
-                part = recall_part(rebuilt, backend if recent.middle is not None else None, query)
+                spans = self.recall_spans.get(b)
+                part = recall_part(rebuilt, backend if recent.middle is not None else None, query, spans)
                 exact = store.exact_slots if store is not None else None
                 if exact is not None and exact.numel():  # exact rows, written with their whole context, stay
                     known = self.recall_valid.get(b)
@@ -201,7 +205,7 @@ class DepthWeaveLayer(CompressedLayer):
             )
             if masses:  # a multi-token step over everything: pin the pages it attended most
                 assert store is not None
-                self.pins[b] = pin_pages(store, masses[0])
+                self.pins[b] = pin_pages(store, masses[int(rebuilt is not None)])
             score = recent.score[b]  # type: ignore[index]
             recent.score[b] = torch.maximum(score, recent_attention)  # type: ignore[index]
             outs.append(out)

@@ -99,8 +99,8 @@ def attend_parts(
     recall_parts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's attention over ``parts`` (the last ``recent_parts`` hold the recent buffer, the exact tokens
-    last; the first ``recall_parts`` hold rebuilt tokens, one contiguous range of slots, which the parts between
-    them and the buffer then hide, all but those marked ``exact_rows``: each position is attended once, so the
+    last; the first ``recall_parts`` hold rebuilt tokens, one contiguous range of slots or the ranges of the first
+    part's ``spans``, which the parts between them and the buffer then hide, all but those marked ``exact_rows``: each position is attended once, so the
     rebuilt part's ``valid`` must leave out the slots such parts hold).
 
     ``query: [Hq, q, D]`` float32 -> ``([q, Hq, D], [m] max attention each recent token got)``. Query heads
@@ -128,7 +128,13 @@ def attend_parts(
         rebuilt = sum(p.slots.shape[-1] for p in parts[:recall_parts])
         stored = slots.shape[1] - sum(p.slots.shape[-1] for p in parts[len(parts) - recent_parts :])
         between = slots[:, rebuilt:stored]
-        hidden = (between >= slots[0, 0]) & (between <= slots[0, rebuilt - 1])  # [H, n], no sync
+        spans = getattr(parts[0], "spans", None) if recall_parts == 1 else None
+        if spans:  # a question's quotes: several ranges, given as ints
+            hidden = torch.zeros_like(between, dtype=torch.bool)
+            for low, high in spans:
+                hidden |= (between >= low) & (between < high)
+        else:  # one contiguous range
+            hidden = (between >= slots[0, 0]) & (between <= slots[0, rebuilt - 1])  # [H, n], no sync
         start = 0
         for part in parts[recall_parts : len(parts) - recent_parts]:
             n = part.slots.shape[-1]

@@ -13,14 +13,21 @@ What is rebuilt is not the exact KV (the passage sees :data:`CONTEXT` tokens of 
 it), and it is held beside the compressed stores while it is used, as 4-bit blocks of the middle tier's layout
 (``recall_bits=4``, attended from their codes) or at 16 bits (``recall_bits=16``): those bytes count in
 ``nbytes()`` and are given back when the copy ends; so do the token ids (4 bytes a position), which the match
-reads with ``N`` vector comparisons a step (:func:`copy_source`; nothing else is stored for it). Decode steps
-only (one new token per row); a prompt's own repeats are the prompt's. The state here (the spans held) is never
-saved: a loaded cache matches from its saved ids.
+reads with ``N`` vector comparisons a step (:func:`copy_source`; nothing else is stored for it). A prompt's own
+repeats are the prompt's.
+
+With ``quote=M`` (off by default) a multi-token step over the compressed cache of at most :data:`QUOTED` tokens
+(a question fed after its document) does the same for what it quotes: each run of ``M`` or more of its ids that
+occurred exactly once in the compressed part rebuilds the passage around that occurrence (:func:`quote_sources`;
+at most :data:`QUOTES` passages a row, the longest runs first), and the step itself and the decode steps after it
+attend to them. A question names a fact by words of the document (the key of a needle, a function's name); the
+value the answer copies follows within :data:`AFTER` tokens, whatever it looks like. The state here (the spans
+held) is never saved: a loaded cache matches from its saved ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +50,15 @@ CONTEXT = 64
 FRESH = 32
 """Decode steps a rebuilt span stays after the last step that matched a copy."""
 
+QUOTES = 4
+"""Passages a question's quotes rebuild at most per batch row (``quote``)."""
+
+QUOTED = 512
+"""The longest multi-token step whose quotes are matched (``quote``): a question, not a chunk of a document."""
+
+WINDOWS = 1 << 16
+"""Earlier windows compared at once by :func:`quote_sources` (bounds its ``[windows, step]`` table)."""
+
 
 def copy_source(ids: torch.Tensor, n: int) -> int | None:
     """The slot after the last earlier occurrence of the newest ``n`` of ``ids: [L]`` (where a copy reads next),
@@ -59,34 +75,79 @@ def copy_source(ids: torch.Tensor, n: int) -> int | None:
     return int(hits[-1]) + n if hits.numel() else None
 
 
+def quote_sources(ids: torch.Tensor, seen: int, n: int, low: int, high: int) -> list[tuple[int, int]]:
+    """The quotes of a multi-token step: ``ids: [L]``, the step's ids from slot ``seen`` on. Each run of new
+    windows of ``n`` ids that occurred exactly once in slots ``[low, high)`` (a window wholly inside), as
+    ``(windows in the run, the slot after the last one's earlier occurrence)``, longest runs first."""
+    new = ids[seen:]
+    steps, count = new.numel() - n + 1, high - low - n + 1
+    if steps <= 0 or count <= 0:
+        return []
+    hits = torch.zeros(steps, dtype=torch.int64)
+    where = torch.zeros(steps, dtype=torch.int64)
+    for first in range(0, count, WINDOWS):
+        width = min(WINDOWS, count - first)
+        old = ids[low + first : low + first + width + n - 1]
+        match = old[:width, None] == new[None, :steps]
+        for j in range(1, n):
+            match &= old[j : j + width, None] == new[None, j : j + steps]
+        hits += match.sum(0).cpu()
+        found = match.any(0).cpu()
+        where[found] = low + first + match.int().argmax(0).cpu()[found]
+    runs: list[tuple[int, int]] = []
+    for j in range(steps):
+        if int(hits[j]) != 1:
+            continue
+        source = int(where[j]) + n
+        if runs and j > 0 and int(hits[j - 1]) == 1 and runs[-1][1] == source - 1:
+            runs[-1] = (runs[-1][0] + 1, source)  # the quote goes on where the document did
+        else:
+            runs.append((1, source))
+    return sorted(runs, key=lambda run: -run[0])
+
+
 @dataclass
 class RowRecall:
-    """One batch row: the span held (``[start, stop)`` slots) and the step after which it is dropped."""
+    """One batch row: the spans held (``[start, stop)`` slots, one for a copy, up to :data:`QUOTES` for a
+    question's quotes) and the step after which they are dropped."""
 
-    span: tuple[int, int] | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
     until: int = -1
+
+    def holds(self, source: int) -> bool:
+        """Whether a copy reading slot ``source`` next goes on inside a span held."""
+        return any(start <= source < stop - BEFORE for start, stop in self.spans)
 
 
 class Recall:
     """A DepthWeave cache's recall state: per batch row, its :class:`RowRecall`; the rebuilt keys and values
     live on the layers that attend to them (``DepthWeaveLayer.recall``, counted in their bytes)."""
 
-    def __init__(self, ngram: int) -> None:
+    def __init__(self, ngram: int, quote: int = 0) -> None:
         self.ngram = ngram
+        self.quote = quote
         self.rows: list[RowRecall] = []
         self.rebuilds = 0  # spans rebuilt so far (diagnostics: benchmarks/recall_speed.py)
 
     def step(self, cache: KVCache, decoder: Any) -> None:
         """Before a forward pass of ``cache``'s model (its ids already observed): on a decode step, match each
         row's newest ids against its earlier ones, rebuild a span where a copy starts or outruns its span, and
-        drop spans whose copy has ended."""
+        drop spans whose copy has ended; on a short multi-token step (``quote``), rebuild what it quotes."""
         ids = cache.context.prompt_ids
         layers = [layer for layer in cache.layers if hasattr(layer, "recall")]
         if ids is None or not layers:
             return
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         seen = cache.get_seq_length()  # slots before this pass
-        if ids.shape[-1] != seen + 1:  # a prefill, a multi-token step, or ids that do not line up: no recall
+        new = ids.shape[-1] - seen
+        if new < 1 or seen == 0:  # a prefill, or ids that do not line up: no recall
+            return
+        if new > 1:
+            if self.quote and new <= QUOTED:
+                self.quotes(cache, decoder, layers, ids, seen)
+            return
+        if self.ngram <= 0:  # quotes only: their spans held until FRESH steps after the question
+            self.expire(layers, seen)
             return
         while len(self.rows) < ids.shape[0]:
             self.rows.append(RowRecall())
@@ -97,67 +158,141 @@ class Recall:
             source = copy_source(ids[b], self.ngram)
             if source is not None and pad <= source < exact_from - BEFORE:
                 row.until = seen + FRESH
-                if row.span is None or not row.span[0] <= source < row.span[1] - BEFORE:
-                    stop = min(exact_from, source + AFTER)  # source < stop - BEFORE
-                    start = max(pad, stop - BEFORE - AFTER)
-                    if layers[0].method.recall_bits < 16:  # whole blocks of the middle tier's layout
-                        stop = start + (stop - start) // MIDDLE_BLOCK * MIDDLE_BLOCK
-                    if stop > start:
-                        self.rebuild(cache, decoder, layers, b, pad, start, stop)
+                if not row.holds(source):
+                    span = self.span(source, pad, exact_from, layers)
+                    if span is not None:
+                        self.rebuild(cache, decoder, layers, b, pad, [span])
                         self.rebuilds += 1
-                        row.span = (start, stop)
-            elif source is not None and row.span is not None:
+                        row.spans = [span]
+            elif source is not None and row.spans:
                 row.until = seen + FRESH  # the copy goes on inside the span, or into the exact buffer
-            if row.span is not None and seen >= row.until:
-                row.span = None
+        self.expire(layers, seen)
+
+    def expire(self, layers: list[Any], seen: int) -> None:
+        """Drop the spans of rows whose copy (or question) ended :data:`FRESH` steps before slot ``seen``."""
+        for b, row in enumerate(self.rows):
+            if row.spans and seen >= row.until:
+                row.spans = []
                 for layer in layers:
                     layer.recall.pop(b, None)
                     layer.recall_valid.pop(b, None)
+                    layer.recall_spans.pop(b, None)
+
+    @staticmethod
+    def span(
+        source: int, pad: int, exact_from: int, layers: list[Any], after: int = 0
+    ) -> tuple[int, int] | None:
+        """The span rebuilt for a copy reading slot ``source`` next: :data:`BEFORE` tokens before it to
+        :data:`AFTER` after, not before ``pad`` or ``after`` nor into the exact buffer, whole blocks of the middle
+        tier's layout when held as blocks; ``None`` when nothing is left."""
+        stop = min(exact_from, source + AFTER)  # source < stop - BEFORE
+        start = max(pad, after, stop - BEFORE - AFTER)
+        if layers[0].method.recall_bits < 16:  # whole blocks of the middle tier's layout
+            stop = start + (stop - start) // MIDDLE_BLOCK * MIDDLE_BLOCK
+        return (start, stop) if stop > start else None
+
+    def quotes(self, cache: KVCache, decoder: Any, layers: list[Any], ids: torch.Tensor, seen: int) -> None:
+        """A short multi-token step (``quote``): per row, the passages around what its ids quote (runs of
+        ``quote`` or more ids that occurred once in the compressed part) rebuilt in place of any spans held."""
+        while len(self.rows) < ids.shape[0]:
+            self.rows.append(RowRecall())
+        pads = layers[0].pad_count
+        exact_from = seen - layers[0].recent_count()
+        for b, row in enumerate(self.rows[: ids.shape[0]]):
+            pad = int(pads[b]) if pads is not None and b < pads.numel() else 0
+            sources = [src for _, src in quote_sources(ids[b], seen, self.quote, pad, exact_from)]
+            spans: list[tuple[int, int]] = []
+            for source in sources:
+                if source >= exact_from - BEFORE or any(
+                    start <= source < stop - BEFORE for start, stop in spans
+                ):
+                    continue  # exact already, or inside a passage already chosen
+                span = self.span(source, pad, exact_from, layers)
+                if span is None:
+                    continue
+                overlap = [s for s in spans if s[0] < span[1] and span[0] < s[1]]
+                if overlap:  # move it past the passage it overlaps (whole blocks still)
+                    span = self.span(source, pad, exact_from, layers, after=max(s[1] for s in overlap))
+                    if span is None or any(s[0] < span[1] and span[0] < s[1] for s in spans):
+                        continue
+                spans.append(span)
+                if len(spans) == QUOTES:
+                    break
+            if not spans:
+                continue
+            spans.sort()
+            self.rebuild(cache, decoder, layers, b, pad, spans)
+            self.rebuilds += len(spans)
+            row.spans, row.until = spans, ids.shape[-1] + FRESH
 
     @staticmethod
     def rebuild(
-        cache: KVCache, decoder: Any, layers: list[Any], row: int, pad: int, start: int, stop: int
+        cache: KVCache, decoder: Any, layers: list[Any], row: int, pad: int, spans: list[tuple[int, int]]
     ) -> None:
-        """Run ``decoder`` over row ``row``'s ids of slots ``[start - CONTEXT, stop)`` (not before its padding)
-        from no cache, at their positions, and hand each layer its keys and values of ``[start, stop)``."""
+        """Per span ``[start, stop)`` (ascending, apart): run ``decoder`` over row ``row``'s ids of slots
+        ``[start - CONTEXT, stop)`` (not before its padding) from no cache, at their positions; hand each layer
+        its keys and values of the spans, one after another, and the spans (what its attention hides)."""
         from transformers import DynamicCache
 
         from kvweave._compat import cache_kwarg
 
-        first = max(pad, start - CONTEXT)
         ids = cache.context.prompt_ids
         assert ids is not None
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
-        segment = ids[row : row + 1, first:stop].to(layers[0].device, torch.int64)
-        positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
-        rebuilt = DynamicCache(config=decoder.config)
-        with torch.no_grad():
-            decoder(
-                input_ids=segment, position_ids=positions, use_cache=True, **{cache_kwarg(decoder): rebuilt}
-            )
-        slots = torch.arange(start, stop, device=segment.device)
+        held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer.layer_idx: [] for layer in layers}
+        for start, stop in spans:
+            first = max(pad, start - CONTEXT)
+            segment = ids[row : row + 1, first:stop].to(layers[0].device, torch.int64)
+            positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
+            rebuilt = DynamicCache(config=decoder.config)
+            with torch.no_grad():
+                decoder(
+                    input_ids=segment,
+                    position_ids=positions,
+                    use_cache=True,
+                    **{cache_kwarg(decoder): rebuilt},
+                )
+            for layer in layers:
+                kv = rebuilt.layers[layer.layer_idx]
+                held[layer.layer_idx].append(
+                    (kv.keys[:, :, start - first :], kv.values[:, :, start - first :])
+                )
+        slots = torch.cat([torch.arange(start, stop) for start, stop in spans]).to(layers[0].device)
         for layer in layers:
-            held = rebuilt.layers[layer.layer_idx]
-            keys, values = held.keys[:, :, start - first :], held.values[:, :, start - first :]
+            parts = held[layer.layer_idx]
+            keys = torch.cat([k for k, _ in parts], dim=2)
+            values = torch.cat([v for _, v in parts], dim=2)
             bits = layer.method.recall_bits
             if bits < 16:
                 layer.recall[row] = (MiddleBlocks.of(keys, values, bits), slots)
             else:
-                dtype = layer.method.storage_dtype(held.keys.dtype)
+                dtype = layer.method.storage_dtype(keys.dtype)
                 layer.recall[row] = (keys[0].to(dtype), values[0].to(dtype), slots)
+            layer.recall_valid.pop(row, None)
+            layer.recall_spans[row] = list(spans)
 
 
-def recall_part(held: tuple[Any, ...], backend: str | None, query: torch.Tensor) -> Any:
-    """A layer's rebuilt passage as a part of ``attend_parts``: a :class:`MiddlePart` over its blocks (read by
-    ``backend``, the middle tier's, or the one chosen for the query's device) or a dense part."""
+def recall_part(
+    held: tuple[Any, ...],
+    backend: str | None,
+    query: torch.Tensor,
+    spans: list[tuple[int, int]] | None = None,
+) -> Any:
+    """A layer's rebuilt passages as a part of ``attend_parts``: a :class:`MiddlePart` over its blocks (read by
+    ``backend``, the middle tier's, or the one chosen for the query's device) or a dense part; ``spans`` (more
+    than one: a question's quotes) tell the attention which stored slots they stand in for."""
     from kvweave.methods.depthweave.middle import MiddlePart, middle_backend
     from kvweave.methods.depthweave.parts import DensePart
 
+    part: Any
     if isinstance(held[0], MiddleBlocks):
         blocks, slots = held
-        return MiddlePart(blocks, 0, slots, backend or middle_backend("auto", query.device))
-    keys, values, slots = held
-    return DensePart(keys.float(), values.float(), slots)
+        part = MiddlePart(blocks, 0, slots, backend or middle_backend("auto", query.device))
+    else:
+        keys, values, slots = held
+        part = DensePart(keys.float(), values.float(), slots)
+    part.spans = spans if spans is not None and len(spans) > 1 else None
+    return part
 
 
 def recall_tensors(layer: Any) -> list[torch.Tensor]:
