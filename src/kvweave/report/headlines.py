@@ -159,7 +159,7 @@ of DepthWeave's newest configuration on the same samples, its spec; DepthWeave a
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
     ("dkcache", "dkcache", (1024, 4096, 8192)),
-    ("xkv", "xkv", (1024, 4096)),
+    ("xkv", "xkv", (1024, 4096, 8192)),
     ("snapkv", "snapkv", (1024, 4096)),
     ("h2o", "h2o", (1024, 4096, 8192)),
 )
