@@ -156,6 +156,36 @@ X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
 of DepthWeave's newest configuration on the same samples, its spec; DepthWeave at 16x is today's default in
 ``v8-8k``, the same samples; multi-key and code at 8x are the ``depthweave:recall=8`` rows, today's default)."""
 
+QUOTE_ROWS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "word",
+        "niah_word",
+        "v8-8k",
+        (
+            ("full", "full"),
+            ("dw", "depthweave"),
+            ("q", "depthweave:quote=3"),
+            ("dw16", "depthweave:compression=16.0"),
+            ("q16", "depthweave:compression=16.0,quote=3"),
+        ),
+    ),
+    (
+        "word-s1",
+        "niah_word",
+        "v8-8k-word-s1",
+        (("full", "full"), ("dw", "depthweave"), ("q", "depthweave:quote=3")),
+    ),
+    ("mq", "niah_multiquery", "v8-8k", (("full", "full"), ("dw", "depthweave"), ("q", "depthweave:quote=3"))),
+    (
+        "pydoc",
+        "niah_multiquery_common",
+        "recall-8k-pydoc",
+        (("full", "full"), ("dw", "depthweave:recall=8"), ("q", "depthweave:quote=3")),
+    ),
+)
+"""``depthweave:quote=3`` beside `full` and today's default on the same samples (thirty-first session): (name,
+task, run folder at 8K, (short, method) pairs)."""
+
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
     ("dkcache", "dkcache", (1024, 4096, 8192)),
@@ -683,6 +713,14 @@ HEADLINES: dict[str, Headline] = {
             ("dw8", "depthweave:recall=8", ("rec-8k-mk", "rec-8k-code")),
             ("dw", "depthweave", "v8-8k"),
         )
+    },
+    # quote beside the default (findings, thirty-first session)
+    **{
+        f"q-{name}-{short}{suffix}": _cell(_runs(folder), method, field, (("task", task), ("context", 8192)))
+        for name, task, folder, methods in QUOTE_ROWS
+        for short, method in methods
+        for suffix, field in (("", "score"), ("x", "compression"))
+        if short != "full" or field == "score"
     },
     # the README's long-generation table: every baseline's cells that have rows
     **{

@@ -54,7 +54,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   four passages a row, longest runs first — and that step and the decode steps after it attend to them. The
   value a question asks for follows the words that name it, whatever it looks like (common words, hex), so its
   exactness does not depend on ``protect``'s content rules. A question inside a prompt prefilled whole is no
-  such step (``pin_tokens`` covers that case).
+  such step (``pin_tokens`` covers that case); a prompt fed in chunks of 512 tokens or fewer is a series of
+  them, each rebuilding what it repeats of the chunks before.
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
