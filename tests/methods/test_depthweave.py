@@ -1456,6 +1456,44 @@ def test_quote_rebuilds_the_passage_a_question_quotes_exactly_where_its_context_
     assert cache.nbytes() < caches[0].nbytes() + rebuilt
 
 
+def test_copies_from_matches_the_newest_ids_inside_a_span_only():
+    """The newest n ids occurring together inside a span held: a copy from it; elsewhere, split, or shorter
+    than n: not."""
+    from kvweave.methods.depthweave.recall import copies_from
+
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 4, 5, 6])
+    assert copies_from(ids, [(2, 8)], 3)  # 4 5 6 at slots 3-5
+    assert not copies_from(ids, [(0, 5)], 3)  # 4 5 at slots 3-4 only
+    assert not copies_from(ids, [(6, 10)], 3)
+    assert copies_from(ids, [(6, 10), (3, 6)], 3)
+    assert not copies_from(ids, [(2, 8)], 0)
+    assert not copies_from(ids[:3], [(0, 3)], 3)
+
+
+def test_quote_spans_stay_while_the_answer_copies_from_them(model):
+    """A question's quoted passage stays held past FRESH decode steps while the answer copies from it (its newest
+    ids occur inside the passage), and is dropped FRESH steps after the copying stops."""
+    from kvweave.methods.depthweave.recall import FRESH
+
+    prompt, question = _quote_stream()
+    cache = kvweave.make_cache("depthweave", model, recall=0, quote=4, recall_bits=16, **SMALL)
+    kw = {cache_kwarg(model): cache}
+    passage = prompt[0, 20:84].tolist()  # inside the span rebuilt (slots 20-84)
+    with torch.no_grad():
+        model(prompt, **kw)
+        model(question, **kw)
+        for t in range(FRESH - 8):  # unrelated tokens (their 4-grams are nowhere in the prompt)
+            model(torch.tensor([[141 + t % 8]]), **kw)
+        for token in passage[:12]:  # a copy from the passage, going on past FRESH steps after the question
+            model(torch.tensor([[token]]), **kw)
+        assert cache.layers[0].recall_spans[0] == [(20, 84)]
+        for t in range(FRESH - 1):
+            model(torch.tensor([[141 + t % 8]]), **kw)
+        assert cache.layers[0].recall_spans[0] == [(20, 84)]  # FRESH steps after the last copying step: held
+        model(torch.tensor([[141]]), **kw)
+    assert not any(layer.recall for layer in cache.layers)
+
+
 def test_quote_holds_several_passages_and_hides_only_their_stored_slots(model):
     """Two quoted keys far apart: two spans rebuilt, held one after the other, and the attention over the
     stored parts hides those slots only (a decode step's output is finite and differs from quote=0)."""

@@ -51,7 +51,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
 - ``quote=N`` (off by default; docs/findings.md, thirty-first session): a question fed after its document (a
   multi-token step of at most 512 tokens over the compressed cache) rebuilds, the same way, the passages around
   what it quotes — each run of ``N`` or more of its ids that occurred exactly once in the compressed part, up to
-  four passages a row, longest runs first — and that step and the decode steps after it attend to them. The
+  four passages a row, longest runs first — and that step and the decode steps after it attend to them, held
+  32 steps after the question or after the last step whose newest ``N`` ids occur inside them. The
   value a question asks for follows the words that name it, whatever it looks like (common words, hex), so its
   exactness does not depend on ``protect``'s content rules. A question inside a prompt prefilled whole is no
   such step (``pin_tokens`` covers that case); a prompt fed in chunks of 512 tokens or fewer is a series of
@@ -338,7 +339,7 @@ class DepthWeave(Method):
         0,
         "a multi-token step of at most 512 tokens over the compressed cache (a question fed after its document): "
         "each run of N or more of its ids that occurred once before rebuilds the passage around it (up to 4 a "
-        "row), attended by that step and the decode steps after it; 0: off",
+        "row), attended by that step and the decode steps after it while the answer copies from them; 0: off",
         tuning=True,
     )
     recall_bits: int = option(

@@ -20,9 +20,11 @@ With ``quote=M`` (off by default) a multi-token step over the compressed cache o
 (a question fed after its document) does the same for what it quotes: each run of ``M`` or more of its ids that
 occurred exactly once in the compressed part rebuilds the passage around that occurrence (:func:`quote_sources`;
 at most :data:`QUOTES` passages a row, the longest runs first), and the step itself and the decode steps after it
-attend to them. A question names a fact by words of the document (the key of a needle, a function's name); the
-value the answer copies follows within :data:`AFTER` tokens, whatever it looks like. The state here (the spans
-held) is never saved: a loaded cache matches from its saved ids.
+attend to them, for as long as the answer copies from them (:data:`FRESH` steps after the question or after the
+last step whose newest ``M`` ids occur inside a passage held: :func:`copies_from`). A question names a fact by
+words of the document (the key of a needle, a function's name); the value the answer copies follows within
+:data:`AFTER` tokens, whatever it looks like. The state here (the spans held) is never saved: a loaded cache
+matches from its saved ids.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ CONTEXT = 64
 """Tokens of context the model sees before a rebuilt span (not kept)."""
 
 FRESH = 32
-"""Decode steps a rebuilt span stays after the last step that matched a copy."""
+"""Decode steps a rebuilt span stays after the last step that matched a copy (or, for a question's quotes, after
+the question or the last step that copied from them)."""
 
 QUOTES = 4
 """Passages a question's quotes rebuild at most per batch row (``quote``)."""
@@ -106,6 +109,25 @@ def quote_sources(ids: torch.Tensor, seen: int, n: int, low: int, high: int) -> 
     return sorted(runs, key=lambda run: -run[0])
 
 
+def inside(spans: list[tuple[int, int]], source: int) -> bool:
+    """Whether a copy reading slot ``source`` next goes on inside one of ``spans`` (``[start, stop)``), with
+    :data:`BEFORE` tokens of it still ahead."""
+    return any(start <= source < stop - BEFORE for start, stop in spans)
+
+
+def copies_from(ids: torch.Tensor, spans: list[tuple[int, int]], n: int) -> bool:
+    """Whether the newest ``n`` of ``ids: [L]`` occur together inside one of ``spans`` (``[start, stop)``
+    slots): the answer is copying from a passage held."""
+    if n <= 0 or ids.numel() <= n:
+        return False
+    tail = ids[-n:]
+    for start, stop in spans:
+        window = ids[start:stop]
+        if window.numel() >= n and bool((window.unfold(0, n, 1) == tail).all(1).any()):
+            return True
+    return False
+
+
 @dataclass
 class RowRecall:
     """One batch row: the spans held (``[start, stop)`` slots, one for a copy, up to :data:`QUOTES` for a
@@ -116,7 +138,7 @@ class RowRecall:
 
     def holds(self, source: int) -> bool:
         """Whether a copy reading slot ``source`` next goes on inside a span held."""
-        return any(start <= source < stop - BEFORE for start, stop in self.spans)
+        return inside(self.spans, source)
 
 
 class Recall:
@@ -146,7 +168,11 @@ class Recall:
             if self.quote and new <= QUOTED:
                 self.quotes(cache, decoder, layers, ids, seen)
             return
-        if self.ngram <= 0:  # quotes only: their spans held until FRESH steps after the question
+        if self.quote:  # spans held while the answer copies from them
+            for b, row in enumerate(self.rows[: ids.shape[0]]):
+                if row.spans and copies_from(ids[b], row.spans, self.quote):
+                    row.until = seen + FRESH
+        if self.ngram <= 0:  # quotes only: their spans held until FRESH steps after the last copy
             self.expire(layers, seen)
             return
         while len(self.rows) < ids.shape[0]:
@@ -203,9 +229,7 @@ class Recall:
             sources = [src for _, src in quote_sources(ids[b], seen, self.quote, pad, exact_from)]
             spans: list[tuple[int, int]] = []
             for source in sources:
-                if source >= exact_from - BEFORE or any(
-                    start <= source < stop - BEFORE for start, stop in spans
-                ):
+                if source >= exact_from - BEFORE or inside(spans, source):
                     continue  # exact already, or inside a passage already chosen
                 span = self.span(source, pad, exact_from, layers)
                 if span is None:
