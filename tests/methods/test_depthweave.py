@@ -1494,6 +1494,38 @@ def test_quote_spans_stay_while_the_answer_copies_from_them(model):
     assert not any(layer.recall for layer in cache.layers)
 
 
+def test_an_eval_rows_bytes_count_the_quoted_passages_held_during_the_answer(model):
+    """The eval's step clock keeps the most bytes the cache held after any answer step: a question's quoted
+    passages, dropped before the answer ends, still count (the bytes at the end alone would miss them)."""
+    from transformers import LogitsProcessorList
+
+    from kvweave.eval.runner import _StepClock
+    from kvweave.methods.depthweave.recall import FRESH
+
+    prompt, question = _quote_stream()
+    stream = torch.cat([prompt, question], dim=1)
+    peaks = {}
+    for quote in (0, 4):
+        cache = kvweave.make_cache("depthweave", model, recall=0, quote=quote, **SMALL)
+        with torch.no_grad():
+            model(prompt, **{cache_kwarg(model): cache})
+        clock = _StepClock(cache)
+        with torch.no_grad():
+            model.generate(
+                stream,
+                attention_mask=torch.ones_like(stream),
+                max_new_tokens=FRESH + 8,
+                min_new_tokens=FRESH + 8,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([clock]),
+                **{cache_kwarg(model): cache},
+            )
+        assert len(clock.times) == FRESH + 8
+        peaks[quote] = clock.peak
+    assert cache.context.decode_state.rebuilds == 1 and not any(layer.recall for layer in cache.layers)
+    assert peaks[4] > cache.nbytes() and peaks[4] > peaks[0] > 0
+
+
 def test_quote_holds_several_passages_and_hides_only_their_stored_slots(model):
     """Two quoted keys far apart: two spans rebuilt, held one after the other, and the attention over the
     stored parts hides those slots only (a decode step's output is finite and differs from quote=0)."""

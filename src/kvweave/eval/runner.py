@@ -327,13 +327,18 @@ def feed_chunk(cache: Any) -> int:
 
 
 class _StepClock:
-    """A logits processor that timestamps every decoding step of ``generate``."""
+    """A logits processor that timestamps every decoding step of ``generate`` and, given the cache, keeps the
+    most bytes it held after any step (``peak``: this process's share under tensor parallelism). What a method
+    holds only for part of an answer (DepthWeave's rebuilt passages) counts in a row's bytes that way."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Any = None) -> None:
         self.times: list[float] = []
+        self.cache, self.peak = cache, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.times.append(time.perf_counter())
+        if self.cache is not None:
+            self.peak = max(self.peak, self.cache.nbytes())
         return scores
 
 
@@ -508,7 +513,7 @@ def answer(
     kw = cache_kwarg(model)
     spec = task_lib.TASKS[trial.task]
     max_new = config.max_new_tokens or spec.max_new_tokens
-    clock = _StepClock()
+    clock = _StepClock(cache)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     full = torch.tensor([[pad_id or 0] * padding + full_ids])
     mask = torch.ones_like(full)
@@ -529,7 +534,10 @@ def answer(
     prediction = tokenizer.decode(new_ids, skip_special_tokens=True)
     steps = len(clock.times) - 1
     decode_s = clock.times[-1] - clock.times[0] if steps > 0 else float("nan")
-    held = max(held_before, summed_nbytes(cache))
+    # the most the cache held: after the prompt, after any answer step, at the end
+    held = max(
+        held_before, summed_nbytes(cache), cache.tp.sum(clock.peak) if cache.tp is not None else clock.peak
+    )
     full_bytes = summed_full_kv_bytes(cache, bits=16)
     if padding:  # the reference is the row's own tokens; its held bytes keep whatever the batch left in it
         full_bytes -= full_bytes * padding // max(cache.get_seq_length(), 1)
@@ -644,8 +652,8 @@ def run_batch(
             )
         prefill_s = time.perf_counter() - start
         done, fed_s = 0, 0.0
-        # each row's bytes after the prefill, as run_trial takes them (a row's held bytes: the larger of these
-        # and its bytes after the answer)
+        # each row's bytes after the prefill, as run_trial takes them (a row's held bytes: the most of these, its
+        # bytes after any answer step and after the answer)
         held_after_prefill = [summed_nbytes(row_of(cache, b)) for b in range(len(trials))]
     firsts = [len(p) for p in prefills]
 
