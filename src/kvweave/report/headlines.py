@@ -186,6 +186,22 @@ QUOTE_ROWS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
 """``depthweave:quote=3`` beside `full` and today's default on the same samples (thirty-first session): (name,
 task, run folder at 8K, (short, method) pairs)."""
 
+Q9_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...], str], ...] = (
+    *(
+        (name, task, context, full, dw, "depthweave:recall=8")
+        for name, task, context, full, dw in NOW_ROWS
+        if name in ("mq-8k", "common-8k", "hex-8k", "pydoc-8k")
+    ),
+    ("mk-8k", "niah_multikey", 8192, "dw-8k-v4", "rec-8k-mk", "depthweave:recall=8"),
+    ("mq-8k-pydoc", "niah_multiquery", 8192, "v8-8k", "v8-8k", "depthweave"),
+    ("word-8k", "niah_word", 8192, "v8-8k", "v8-8k", "depthweave"),
+    ("word-8k-s1", "niah_word", 8192, "v8-8k-word-s1", "v8-8k-word-s1", "depthweave"),
+    ("uuid-8k", "niah_uuid", 8192, "v8-8k", "v8-8k", "depthweave"),
+)
+"""``depthweave:quote=3`` on the 8K samples of the tables of today's default (thirty-second session): (name,
+task, context, `full`'s run folders, the folders of the default's rows and of ``quote=3``'s (the same samples),
+the default as its rows are written)."""
+
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
     ("dkcache", "dkcache", (1024, 4096, 8192)),
@@ -721,6 +737,17 @@ HEADLINES: dict[str, Headline] = {
         for short, method in methods
         for suffix, field in (("", "score"), ("x", "compression"))
         if short != "full" or field == "score"
+    },
+    # quote=3 beside version 8's default on all its tables' samples (findings, thirty-second session)
+    **{
+        f"q9-{name}-{short}": _cell(_runs(runs), method, field, (("task", task), ("context", context)))
+        for name, task, context, full_runs, dw_runs, v8 in Q9_ROWS
+        for short, runs, method, field in (
+            ("full", full_runs, "full", "score"),
+            ("v8", dw_runs, v8, "score"),
+            ("q", dw_runs, "depthweave:quote=3", "score"),
+            ("qx", dw_runs, "depthweave:quote=3", "compression"),
+        )
     },
     # the README's long-generation table: every baseline's cells that have rows
     **{
