@@ -1456,6 +1456,34 @@ def test_quote_rebuilds_the_passage_a_question_quotes_exactly_where_its_context_
     assert cache.nbytes() < caches[0].nbytes() + rebuilt
 
 
+def test_quote_context_rebuilds_a_far_passage_with_its_whole_context(model):
+    """A key quoted far into the prompt: with ``quote_context`` reaching the prompt's start the rebuilt keys and
+    values are full's; with the default 64 tokens of context they are not (what the option is for)."""
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 140, (1, 400))
+    key = torch.arange(150, 156).view(1, -1)
+    prompt[:, 300:306] = key
+    question = torch.cat([torch.randint(3, 140, (1, 5)), key], dim=1)
+    reference = _reference_kv(model, torch.cat([prompt, question], dim=1))
+    errors = {}
+    for context in (64, 400):
+        cache = kvweave.make_cache(
+            "depthweave", model, recall=0, quote=4, quote_context=context, recall_bits=16, **SMALL
+        )
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(prompt, **kw)
+            model(question, **kw)
+        errors[context] = 0.0
+        for layer, (exact_k, _) in enumerate(reference):
+            keys, _, slots = cache.layers[layer].recall[0]
+            error = float((keys.float() - exact_k[:, slots]).norm() / exact_k[:, slots].norm())
+            errors[context] = max(errors[context], error)
+    assert errors[400] < 2e-3 < errors[64]
+    with pytest.raises(ValueError, match="quote_context"):
+        kvweave.make_cache("depthweave", model, quote=3, quote_context=-1)
+
+
 def test_copies_from_matches_the_newest_ids_inside_a_span_only():
     """The newest n ids occurring together inside a span held: a copy from it; elsewhere, split, or shorter
     than n: not."""

@@ -342,6 +342,12 @@ class DepthWeave(Method):
         "row), attended by that step and the decode steps after it while the answer copies from them; 0: off",
         tuning=True,
     )
+    quote_context: int = option(
+        64,
+        "with quote: tokens of context the model sees before each quoted passage it rebuilds (more: keys and values "
+        "closer to the document's, a longer question step)",
+        tuning=True,
+    )
     recall_bits: int = option(
         4,
         "with recall: the rebuilt passage held as 4-bit blocks (the middle tier's layout) or at 16 bits",
@@ -429,6 +435,7 @@ class DepthWeave(Method):
         self.check_range("protect_names", 0)
         self.check_range("protect_records", 0)
         self.check_choice("recall_bits", [16, 4])
+        self.check_range("quote_context", 0, 8192)
         if self.recall == 1 or self.recall < 0:
             raise ValueError(
                 f"{self.name}: option recall={self.recall!r} is out of range; allowed 0 (off) or 2 and more "
@@ -496,7 +503,7 @@ class DepthWeave(Method):
             return
         state = cache.context.decode_state
         if not isinstance(state, Recall):
-            state = cache.context.decode_state = Recall(self.recall, self.quote)
+            state = cache.context.decode_state = Recall(self.recall, self.quote, self.quote_context)
         state.step(cache, decoder)
 
     def context_tensors(self, context: Any) -> list[torch.Tensor]:

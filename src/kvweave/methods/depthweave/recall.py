@@ -23,7 +23,8 @@ at most :data:`QUOTES` passages a row, the longest runs first), and the step its
 attend to them, for as long as the answer copies from them (:data:`FRESH` steps after the question or after the
 last step whose newest ``M`` ids occur inside a passage held: :func:`copies_from`). A question names a fact by
 words of the document (the key of a needle, a function's name); the value the answer copies follows within
-:data:`AFTER` tokens, whatever it looks like. The state here (the spans held) is never saved: a loaded cache
+:data:`AFTER` tokens, whatever it looks like. Each quoted passage is rebuilt with ``quote_context`` tokens of
+context before it (default :data:`CONTEXT`). The state here (the spans held) is never saved: a loaded cache
 matches from its saved ids.
 """
 
@@ -145,9 +146,10 @@ class Recall:
     """A DepthWeave cache's recall state: per batch row, its :class:`RowRecall`; the rebuilt keys and values
     live on the layers that attend to them (``DepthWeaveLayer.recall``, counted in their bytes)."""
 
-    def __init__(self, ngram: int, quote: int = 0) -> None:
+    def __init__(self, ngram: int, quote: int = 0, quote_context: int = CONTEXT) -> None:
         self.ngram = ngram
         self.quote = quote
+        self.quote_context = quote_context  # tokens of context before a quoted passage (``quote_context``)
         self.rows: list[RowRecall] = []
         self.rebuilds = 0  # spans rebuilt so far (diagnostics: benchmarks/recall_speed.py)
 
@@ -245,16 +247,22 @@ class Recall:
             if not spans:
                 continue
             spans.sort()
-            self.rebuild(cache, decoder, layers, b, pad, spans)
+            self.rebuild(cache, decoder, layers, b, pad, spans, self.quote_context)
             self.rebuilds += len(spans)
             row.spans, row.until = spans, ids.shape[-1] + FRESH
 
     @staticmethod
     def rebuild(
-        cache: KVCache, decoder: Any, layers: list[Any], row: int, pad: int, spans: list[tuple[int, int]]
+        cache: KVCache,
+        decoder: Any,
+        layers: list[Any],
+        row: int,
+        pad: int,
+        spans: list[tuple[int, int]],
+        context: int = CONTEXT,
     ) -> None:
         """Per span ``[start, stop)`` (ascending, apart): run ``decoder`` over row ``row``'s ids of slots
-        ``[start - CONTEXT, stop)`` (not before its padding) from no cache, at their positions; hand each layer
+        ``[start - context, stop)`` (not before its padding) from no cache, at their positions; hand each layer
         its keys and values of the spans, one after another, and the spans (what its attention hides)."""
         from transformers import DynamicCache
 
@@ -265,7 +273,7 @@ class Recall:
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer.layer_idx: [] for layer in layers}
         for start, stop in spans:
-            first = max(pad, start - CONTEXT)
+            first = max(pad, start - context)
             segment = ids[row : row + 1, first:stop].to(layers[0].device, torch.int64)
             positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
             rebuilt = DynamicCache(config=decoder.config)
