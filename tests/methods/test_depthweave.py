@@ -1484,6 +1484,23 @@ def test_quote_context_rebuilds_a_far_passage_with_its_whole_context(model):
         kvweave.make_cache("depthweave", model, quote=3, quote_context=-1)
 
 
+def test_quote_after_sets_how_far_a_quoted_passage_reaches(model):
+    """``quote_after`` tokens past the quote: 16 gives one 32-token block (16 before the source, 16 after) where
+    the default gives two; out of range is refused."""
+    prompt, question = _quote_stream()
+    spans = {}
+    for after in (16, 48):
+        cache = kvweave.make_cache("depthweave", model, recall=0, quote=4, quote_after=after, **SMALL)
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(prompt, **kw)
+            model(question, **kw)
+        spans[after] = cache.layers[0].recall_spans[0]
+    assert spans == {16: [(20, 52)], 48: [(20, 84)]}
+    with pytest.raises(ValueError, match="quote_after"):
+        kvweave.make_cache("depthweave", model, quote=3, quote_after=0)
+
+
 def test_copies_from_matches_the_newest_ids_inside_a_span_only():
     """The newest n ids occurring together inside a span held: a copy from it; elsewhere, split, or shorter
     than n: not."""

@@ -202,6 +202,14 @@ Q9_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...]
 task, context, `full`'s run folders, the folders of the default's rows and of ``quote=3``'s (the same samples),
 the default as its rows are written)."""
 
+QUOTE_VARIANTS: tuple[tuple[str, str, str, str], ...] = (
+    ("mq-ctx", "niah_multiquery", "recall-8k-mq", "depthweave:quote=3,quote_context=512"),
+    ("mq-b16", "niah_multiquery", "recall-8k-mq", "depthweave:quote=3,recall_bits=16"),
+    ("word-ctx", "niah_word", "v8-8k", "depthweave:quote=3,quote_context=512"),
+)
+"""``quote=3`` with 512 tokens of context per passage, or its passages at 16 bits (thirty-second session): (name,
+task, run folder at 8K, spec)."""
+
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
     ("dkcache", "dkcache", (1024, 4096, 8192)),
@@ -748,6 +756,11 @@ HEADLINES: dict[str, Headline] = {
             ("q", dw_runs, "depthweave:quote=3", "score"),
             ("qx", dw_runs, "depthweave:quote=3", "compression"),
         )
+    },
+    **{
+        f"qv-{name}{suffix}": _cell(_runs(folder), method, field, (("task", task), ("context", 8192)))
+        for name, task, folder, method in QUOTE_VARIANTS
+        for suffix, field in (("", "score"), ("x", "compression"))
     },
     # the README's long-generation table: every baseline's cells that have rows
     **{

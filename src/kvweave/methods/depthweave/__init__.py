@@ -48,7 +48,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   count while held, the ids (4 bytes a position) always (:mod:`kvweave.methods.depthweave.recall`).
   Transformers paths only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the
   same ids and rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
-- ``quote=N`` (off by default; docs/findings.md, thirty-first session): a question fed after its document (a
+- ``quote=N`` (off by default; docs/findings.md, thirty-first and thirty-second sessions: it finds word values the
+  default loses and loses values of lists the default finds): a question fed after its document (a
   multi-token step of at most 512 tokens over the compressed cache) rebuilds, the same way, the passages around
   what it quotes — each run of ``N`` or more of its ids that occurred exactly once in the compressed part, up to
   four passages a row, longest runs first — and that step and the decode steps after it attend to them, held
@@ -56,7 +57,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   value a question asks for follows the words that name it, whatever it looks like (common words, hex), so its
   exactness does not depend on ``protect``'s content rules. A question inside a prompt prefilled whole is no
   such step (``pin_tokens`` covers that case); a prompt fed in chunks of 512 tokens or fewer is a series of
-  them, each rebuilding what it repeats of the chunks before.
+  them, each rebuilding what it repeats of the chunks before. ``quote_context``: the tokens of context each
+  passage is rebuilt with (default 64); ``quote_after``: how far past the quote it reaches (default 48).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
@@ -348,6 +350,12 @@ class DepthWeave(Method):
         "closer to the document's, a longer question step)",
         tuning=True,
     )
+    quote_after: int = option(
+        48,
+        "with quote: tokens each quoted passage reaches past the quote (the value a question asks for follows it; "
+        "with 4-bit passages, 16 before plus this, in whole blocks of 32)",
+        tuning=True,
+    )
     recall_bits: int = option(
         4,
         "with recall: the rebuilt passage held as 4-bit blocks (the middle tier's layout) or at 16 bits",
@@ -436,6 +444,7 @@ class DepthWeave(Method):
         self.check_range("protect_records", 0)
         self.check_choice("recall_bits", [16, 4])
         self.check_range("quote_context", 0, 8192)
+        self.check_range("quote_after", 1, 512)
         if self.recall == 1 or self.recall < 0:
             raise ValueError(
                 f"{self.name}: option recall={self.recall!r} is out of range; allowed 0 (off) or 2 and more "
@@ -503,7 +512,9 @@ class DepthWeave(Method):
             return
         state = cache.context.decode_state
         if not isinstance(state, Recall):
-            state = cache.context.decode_state = Recall(self.recall, self.quote, self.quote_context)
+            state = cache.context.decode_state = Recall(
+                self.recall, self.quote, self.quote_context, self.quote_after
+            )
         state.step(cache, decoder)
 
     def context_tensors(self, context: Any) -> list[torch.Tensor]:

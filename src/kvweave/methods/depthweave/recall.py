@@ -24,7 +24,8 @@ attend to them, for as long as the answer copies from them (:data:`FRESH` steps 
 last step whose newest ``M`` ids occur inside a passage held: :func:`copies_from`). A question names a fact by
 words of the document (the key of a needle, a function's name); the value the answer copies follows within
 :data:`AFTER` tokens, whatever it looks like. Each quoted passage is rebuilt with ``quote_context`` tokens of
-context before it (default :data:`CONTEXT`). The state here (the spans held) is never saved: a loaded cache
+context before it (default :data:`CONTEXT`) and reaches ``quote_after`` tokens past the quote (default
+:data:`AFTER`). The state here (the spans held) is never saved: a loaded cache
 matches from its saved ids.
 """
 
@@ -146,10 +147,13 @@ class Recall:
     """A DepthWeave cache's recall state: per batch row, its :class:`RowRecall`; the rebuilt keys and values
     live on the layers that attend to them (``DepthWeaveLayer.recall``, counted in their bytes)."""
 
-    def __init__(self, ngram: int, quote: int = 0, quote_context: int = CONTEXT) -> None:
+    def __init__(
+        self, ngram: int, quote: int = 0, quote_context: int = CONTEXT, quote_after: int = AFTER
+    ) -> None:
         self.ngram = ngram
         self.quote = quote
         self.quote_context = quote_context  # tokens of context before a quoted passage (``quote_context``)
+        self.quote_after = quote_after  # tokens rebuilt from a quote's source on (``quote_after``)
         self.rows: list[RowRecall] = []
         self.rebuilds = 0  # spans rebuilt so far (diagnostics: benchmarks/recall_speed.py)
 
@@ -208,13 +212,13 @@ class Recall:
 
     @staticmethod
     def span(
-        source: int, pad: int, exact_from: int, layers: list[Any], after: int = 0
+        source: int, pad: int, exact_from: int, layers: list[Any], after: int = 0, reach: int = AFTER
     ) -> tuple[int, int] | None:
-        """The span rebuilt for a copy reading slot ``source`` next: :data:`BEFORE` tokens before it to
-        :data:`AFTER` after, not before ``pad`` or ``after`` nor into the exact buffer, whole blocks of the middle
-        tier's layout when held as blocks; ``None`` when nothing is left."""
-        stop = min(exact_from, source + AFTER)  # source < stop - BEFORE
-        start = max(pad, after, stop - BEFORE - AFTER)
+        """The span rebuilt for a copy reading slot ``source`` next: :data:`BEFORE` tokens before it to ``reach``
+        (:data:`AFTER`) after, not before ``pad`` or ``after`` nor into the exact buffer, whole blocks of the
+        middle tier's layout when held as blocks; ``None`` when nothing is left."""
+        stop = min(exact_from, source + reach)
+        start = max(pad, after, stop - BEFORE - reach)
         if layers[0].method.recall_bits < 16:  # whole blocks of the middle tier's layout
             stop = start + (stop - start) // MIDDLE_BLOCK * MIDDLE_BLOCK
         return (start, stop) if stop > start else None
@@ -233,12 +237,13 @@ class Recall:
             for source in sources:
                 if source >= exact_from - BEFORE or inside(spans, source):
                     continue  # exact already, or inside a passage already chosen
-                span = self.span(source, pad, exact_from, layers)
+                span = self.span(source, pad, exact_from, layers, reach=self.quote_after)
                 if span is None:
                     continue
                 overlap = [s for s in spans if s[0] < span[1] and span[0] < s[1]]
                 if overlap:  # move it past the passage it overlaps (whole blocks still)
-                    span = self.span(source, pad, exact_from, layers, after=max(s[1] for s in overlap))
+                    after = max(s[1] for s in overlap)
+                    span = self.span(source, pad, exact_from, layers, after, self.quote_after)
                     if span is None or any(s[0] < span[1] and span[0] < s[1] for s in spans):
                         continue
                 spans.append(span)
