@@ -206,9 +206,11 @@ QUOTE_VARIANTS: tuple[tuple[str, str, str, str], ...] = (
     ("mq-ctx", "niah_multiquery", "recall-8k-mq", "depthweave:quote=3,quote_context=512"),
     ("mq-b16", "niah_multiquery", "recall-8k-mq", "depthweave:quote=3,recall_bits=16"),
     ("word-ctx", "niah_word", "v8-8k", "depthweave:quote=3,quote_context=512"),
+    ("mq-after", "niah_multiquery", "recall-8k-mq", "depthweave:quote=3,quote_after=16"),
+    ("word-after", "niah_word", "v8-8k", "depthweave:quote=3,quote_after=16"),
 )
-"""``quote=3`` with 512 tokens of context per passage, or its passages at 16 bits (thirty-second session): (name,
-task, run folder at 8K, spec)."""
+"""``quote=3`` with 512 tokens of context per passage, its passages at 16 bits, or reaching 16 tokens past the
+quote (thirty-second session): (name, task, run folder at 8K, spec)."""
 
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
