@@ -210,6 +210,7 @@ QUOTE_VARIANTS: tuple[tuple[str, str, str, str], ...] = (
     ("word-after", "niah_word", "v8-8k", "depthweave:quote=3,quote_after=16"),
     ("common-after", "niah_multiquery_common", "recall-8k-values", "depthweave:quote=3,quote_after=16"),
     ("mqp-after", "niah_multiquery", "v8-8k", "depthweave:quote=3,quote_after=16"),
+    ("uuid-after", "niah_uuid", "v8-8k", "depthweave:quote=3,quote_after=16"),
 )
 """``quote=3`` with 512 tokens of context per passage, its passages at 16 bits, or reaching 16 tokens past the
 quote (thirty-second session): (name, task, run folder at 8K, spec)."""
