@@ -512,9 +512,7 @@ class DepthWeave(Method):
             return
         state = cache.context.decode_state
         if not isinstance(state, Recall):
-            state = cache.context.decode_state = Recall(
-                self.recall, self.quote, self.quote_context, self.quote_after
-            )
+            state = cache.context.decode_state = Recall()
         state.step(cache, decoder)
 
     def context_tensors(self, context: Any) -> list[torch.Tensor]:

@@ -145,15 +145,10 @@ class RowRecall:
 
 class Recall:
     """A DepthWeave cache's recall state: per batch row, its :class:`RowRecall`; the rebuilt keys and values
-    live on the layers that attend to them (``DepthWeaveLayer.recall``, counted in their bytes)."""
+    live on the layers that attend to them (``DepthWeaveLayer.recall``, counted in their bytes). Its options
+    (``recall``, ``quote``, ``quote_context``, ``quote_after``) are read from the layers' method each step."""
 
-    def __init__(
-        self, ngram: int, quote: int = 0, quote_context: int = CONTEXT, quote_after: int = AFTER
-    ) -> None:
-        self.ngram = ngram
-        self.quote = quote
-        self.quote_context = quote_context  # tokens of context before a quoted passage (``quote_context``)
-        self.quote_after = quote_after  # tokens rebuilt from a quote's source on (``quote_after``)
+    def __init__(self) -> None:
         self.rows: list[RowRecall] = []
         self.rebuilds = 0  # spans rebuilt so far (diagnostics: benchmarks/recall_speed.py)
 
@@ -165,20 +160,21 @@ class Recall:
         layers = [layer for layer in cache.layers if hasattr(layer, "recall")]
         if ids is None or not layers:
             return
+        method = layers[0].method
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         seen = cache.get_seq_length()  # slots before this pass
         new = ids.shape[-1] - seen
         if new < 1 or seen == 0:  # a prefill, or ids that do not line up: no recall
             return
         if new > 1:
-            if self.quote and new <= QUOTED:
+            if method.quote and new <= QUOTED:
                 self.quotes(cache, decoder, layers, ids, seen)
             return
-        if self.quote:  # spans held while the answer copies from them
+        if method.quote:  # spans held while the answer copies from them
             for b, row in enumerate(self.rows[: ids.shape[0]]):
-                if row.spans and copies_from(ids[b], row.spans, self.quote):
+                if row.spans and copies_from(ids[b], row.spans, method.quote):
                     row.until = seen + FRESH
-        if self.ngram <= 0:  # quotes only: their spans held until FRESH steps after the last copy
+        if method.recall <= 0:  # quotes only: their spans held until FRESH steps after the last copy
             self.expire(layers, seen)
             return
         while len(self.rows) < ids.shape[0]:
@@ -187,7 +183,7 @@ class Recall:
         exact_from = seen - layers[0].recent_count()  # the recent buffer: exact already
         for b, row in enumerate(self.rows[: ids.shape[0]]):
             pad = int(pads[b]) if pads is not None and b < pads.numel() else 0
-            source = copy_source(ids[b], self.ngram)
+            source = copy_source(ids[b], method.recall)
             if source is not None and pad <= source < exact_from - BEFORE:
                 row.until = seen + FRESH
                 if not row.holds(source):
@@ -228,22 +224,23 @@ class Recall:
         ``quote`` or more ids that occurred once in the compressed part) rebuilt in place of any spans held."""
         while len(self.rows) < ids.shape[0]:
             self.rows.append(RowRecall())
+        method = layers[0].method
         pads = layers[0].pad_count
         exact_from = seen - layers[0].recent_count()
         for b, row in enumerate(self.rows[: ids.shape[0]]):
             pad = int(pads[b]) if pads is not None and b < pads.numel() else 0
-            sources = [src for _, src in quote_sources(ids[b], seen, self.quote, pad, exact_from)]
+            sources = [src for _, src in quote_sources(ids[b], seen, method.quote, pad, exact_from)]
             spans: list[tuple[int, int]] = []
             for source in sources:
                 if source >= exact_from - BEFORE or inside(spans, source):
                     continue  # exact already, or inside a passage already chosen
-                span = self.span(source, pad, exact_from, layers, reach=self.quote_after)
+                span = self.span(source, pad, exact_from, layers, reach=method.quote_after)
                 if span is None:
                     continue
                 overlap = [s for s in spans if s[0] < span[1] and span[0] < s[1]]
                 if overlap:  # move it past the passage it overlaps (whole blocks still)
                     after = max(s[1] for s in overlap)
-                    span = self.span(source, pad, exact_from, layers, after, self.quote_after)
+                    span = self.span(source, pad, exact_from, layers, after, method.quote_after)
                     if span is None or any(s[0] < span[1] and span[0] < s[1] for s in spans):
                         continue
                 spans.append(span)
@@ -252,7 +249,7 @@ class Recall:
             if not spans:
                 continue
             spans.sort()
-            self.rebuild(cache, decoder, layers, b, pad, spans, self.quote_context)
+            self.rebuild(cache, decoder, layers, b, pad, spans, method.quote_context)
             self.rebuilds += len(spans)
             row.spans, row.until = spans, ids.shape[-1] + FRESH
 
