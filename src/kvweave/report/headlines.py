@@ -215,6 +215,22 @@ QUOTE_VARIANTS: tuple[tuple[str, str, str, str], ...] = (
 """``quote=3`` with 512 tokens of context per passage, its passages at 16 bits, or reaching 16 tokens past the
 quote (thirty-second session): (name, task, run folder at 8K, spec)."""
 
+CANDIDATE = "depthweave:quote=3,quote_after=16"
+"""The candidate default of spec version 9 (thirty-third session): ``quote`` with passages reaching 16 tokens past
+the quote."""
+
+C9_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...], str], ...] = (
+    *Q9_ROWS,
+    *(
+        (name, task, context, full, dw, "depthweave:recall=8")
+        for name, task, context, full, dw in NOW_ROWS
+        if name in ("mq-4k", "mk-4k", "code-4k", "code-8k")
+    ),
+)
+""":data:`CANDIDATE` on the samples of every table of today's default without a question fed first (thirty-third
+session): (name, task, context, `full`'s run folders, the folders of the default's rows and of the candidate's,
+the default as its rows are written)."""
+
 LONGGEN_BASELINES: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("quant", "quant", (1024, 4096, 8192)),
     ("dkcache", "dkcache", (1024, 4096, 8192)),
@@ -766,6 +782,17 @@ HEADLINES: dict[str, Headline] = {
         f"qv-{name}{suffix}": _cell(_runs(folder), method, field, (("task", task), ("context", 8192)))
         for name, task, folder, method in QUOTE_VARIANTS
         for suffix, field in (("", "score"), ("x", "compression"))
+    },
+    # the candidate default beside version 8's default on all its tables' samples (findings, thirty-third session)
+    **{
+        f"c9-{name}-{short}": _cell(_runs(runs), method, field, (("task", task), ("context", context)))
+        for name, task, context, full_runs, dw_runs, v8 in C9_ROWS
+        for short, runs, method, field in (
+            ("full", full_runs, "full", "score"),
+            ("v8", dw_runs, v8, "score"),
+            ("a", dw_runs, CANDIDATE, "score"),
+            ("ax", dw_runs, CANDIDATE, "compression"),
+        )
     },
     # the README's long-generation table: every baseline's cells that have rows
     **{
