@@ -392,29 +392,43 @@ def test_old_rows_keep_their_meaning_when_defaults_change():
     )
     assert (
         canonical_spec("depthweave", legacy=True)
-        == "depthweave:protect=0.0,protect_names=0,protect_records=0,decode_tokens=0,recall=0"
+        == "depthweave:protect=0.0,protect_names=0,protect_records=0,decode_tokens=0,recall=0,quote=0,quote_after=48"
     )
     assert canonical_spec("depthweave") == "depthweave"
     # spec version 4: DepthWeave protects retrievable-looking tokens; version-3 rows did not
     assert (
         canonical_spec("depthweave", version=3)
-        == "depthweave:protect=0.0,protect_names=0,protect_records=0,recall=0"
+        == "depthweave:protect=0.0,protect_names=0,protect_records=0,recall=0,quote=0,quote_after=48"
     )
     assert (
-        canonical_spec("depthweave:protect=0.02,protect_names=2,protect_records=6,recall=8", version=3)
+        canonical_spec(
+            "depthweave:protect=0.02,protect_names=2,protect_records=6,recall=8,quote=3,quote_after=16", version=3
+        )
         == "depthweave"
     )
     # spec version 6: DepthWeave keeps long numbers' names exact; version-5 rows did not
-    assert canonical_spec("depthweave", version=5) == "depthweave:protect_names=0,protect_records=0,recall=0"
-    assert canonical_spec("depthweave:protect_names=2,protect_records=6,recall=8", version=5) == "depthweave"
+    assert (
+        canonical_spec("depthweave", version=5)
+        == "depthweave:protect_names=0,protect_records=0,recall=0,quote=0,quote_after=48"
+    )
+    assert (
+        canonical_spec("depthweave:protect_names=2,protect_records=6,recall=8", version=5)
+        == "depthweave:quote=0,quote_after=48"
+    )
     # spec version 7: DepthWeave keeps repeated records' fields exact; version-6 rows did not
-    assert canonical_spec("depthweave", version=6) == "depthweave:protect_records=0,recall=0"
-    assert canonical_spec("depthweave:protect_records=6,recall=8", version=6) == "depthweave"
+    assert canonical_spec("depthweave", version=6) == "depthweave:protect_records=0,recall=0,quote=0,quote_after=48"
+    assert canonical_spec("depthweave:protect_records=6,recall=8", version=6) == "depthweave:quote=0,quote_after=48"
     # spec version 8: DepthWeave rebuilds copied passages from their ids; version-7 rows did not
-    assert canonical_spec("depthweave", version=7) == "depthweave:recall=0"
-    assert canonical_spec("depthweave:recall=8", version=7) == "depthweave"
-    assert canonical_spec("depthweave:protect_records=0", version=8) == "depthweave:protect_records=0"
+    assert canonical_spec("depthweave", version=7) == "depthweave:recall=0,quote=0,quote_after=48"
+    assert canonical_spec("depthweave:recall=8", version=7) == "depthweave:quote=0,quote_after=48"
+    assert canonical_spec("depthweave:protect_records=0", version=8) == "depthweave:protect_records=0,quote=0,quote_after=48"
     assert canonical_spec("xkv", version=7) == "xkv"  # xKV never had recall
+    # spec version 9: DepthWeave rebuilds what a question fed after its document quotes; version-8 rows did not
+    assert canonical_spec("depthweave", version=8) == "depthweave:quote=0,quote_after=48"
+    assert canonical_spec("depthweave:quote=3,quote_after=16", version=8) == "depthweave"
+    assert canonical_spec("depthweave:quote=3", version=8) == "depthweave:quote_after=48"
+    assert canonical_spec("depthweave:quote=0", version=9) == "depthweave:quote=0"
+    assert canonical_spec("xkv", version=8) == "xkv"  # xKV never quotes
     # spec version 3: exact tokens at 16 bits on float32 models; version-2 rows held them at the model's width
     assert canonical_spec("window:ratio=0.25", version=2) == "window:ratio=0.25,storage=model"
     assert canonical_spec("window:ratio=0.25", version=3) == "window:ratio=0.25"

@@ -3,6 +3,7 @@ predate the method's current defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -41,18 +42,22 @@ def test_a_figure_from_older_defaults_names_the_configuration_it_measured(tmp_pa
     _rows(
         tmp_path,
         [
-            {"method": "depthweave", "spec_version": 8, "speedup": 1.2},
-            {"method": "depthweave", "spec_version": 8, "speedup": 1.0},
-            {"method": "depthweave", "spec_version": 8, "speedup": 1.1},
+            {"method": "depthweave", "spec_version": 9, "speedup": 1.2},
+            {"method": "depthweave", "spec_version": 9, "speedup": 1.0},
+            {"method": "depthweave", "spec_version": 9, "speedup": 1.1},
         ],
     )
     current = Headline("rows.jsonl", "depthweave", "speedup", "{:.2f}x")
     assert current.value(tmp_path) == "1.10x"  # the median, current defaults: no note
+    _rows(tmp_path, [{"method": "depthweave", "spec_version": 8, "speedup": 1.13}])
+    assert current.value(tmp_path) == "1.13x (rows of `depthweave:quote=0,quote_after=48`, an older configuration)"
     _rows(tmp_path, [{"method": "depthweave", "spec_version": 7, "speedup": 1.13}])
-    assert current.value(tmp_path) == "1.13x (rows of `depthweave:recall=0`, an older configuration)"
-    _rows(tmp_path, [{"method": "depthweave", "spec_version": 3, "speedup": 1.13}])
-    old = "1.13x (rows of `depthweave:protect=0.0,protect_names=0,protect_records=0,recall=0`, an older configuration)"
+    old = "1.13x (rows of `depthweave:recall=0,quote=0,quote_after=48`, an older configuration)"
     assert current.value(tmp_path) == old
+    # a figure whose text names the older configuration it shows carries no note; another one still does
+    named = dataclasses.replace(current, named="depthweave:recall=0,quote=0,quote_after=48")
+    assert named.value(tmp_path) == "1.13x"
+    assert dataclasses.replace(current, named="depthweave:quote=0").value(tmp_path) == old
 
 
 def test_a_span_is_rewritten_and_unknown_or_empty_ones_refused(tmp_path):
@@ -73,7 +78,7 @@ def test_a_figure_over_several_runs_reads_every_file_and_refuses_a_missing_one(t
     # the runs of one point, each in its own rows file: the range covers all of them
     for name, speedup in (("a.jsonl", 1.27), ("b.jsonl", 1.07)):
         (tmp_path / name).write_text(
-            json.dumps({"method": "depthweave", "spec_version": 8, "speedup": speedup})
+            json.dumps({"method": "depthweave", "spec_version": 9, "speedup": speedup})
         )
     runs = Headline(("a.jsonl", "b.jsonl"), "depthweave", "speedup", "{:.2f}x", summary="range")
     assert runs.value(tmp_path) == "1.07–1.27x"

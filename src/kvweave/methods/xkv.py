@@ -73,6 +73,7 @@ class XKV(DepthWeave):
     )
     decode_tokens: int = option(0, "selective decode (off in xKV: every key rebuilt)", tuning=True)
     recall: int = option(0, "DepthWeave's rebuilt copies (none in xKV: it never sees token ids)", tuning=True)
+    quote: int = option(0, "DepthWeave's rebuilt quotes (none in xKV: it never sees token ids)", tuning=True)
     pin_tokens: int = option(0, "pinned pages of selective decode (off in xKV)", tuning=True)
     weighting: float = option(
         0.0, "attention weighting of the SVD rows (none in xKV: plain SVD)", tuning=True

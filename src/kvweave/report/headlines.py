@@ -44,6 +44,7 @@ class Headline:
     kvweave_spec: bool = (
         True  # False: ``method`` is no kvweave spec (vLLM's ``KVWEAVE_VLLM_METHOD``, ``none``)
     )
+    named: str | None = None  # the older configuration the text beside the figure names (no tag when it is)
 
     def select(self, root: Path = ROOT) -> list[dict[str, Any]]:
         """The rows this figure summarises (error when none: a figure with no rows is not a figure)."""
@@ -66,6 +67,8 @@ class Headline:
         values = [float(r[self.field]) * self.scale for r in rows]
         text = _SUMMARIES[self.summary](values, self.fmt)
         older = older_configuration(self.method, rows) if self.kvweave_spec else None
+        if older is not None and older == self.named:  # the text names what the rows measured
+            return text
         return f"{text} (rows of `{older}`, an older configuration)" if older else text
 
 
@@ -122,13 +125,28 @@ def _runs(folders: str | tuple[str, ...]) -> str | tuple[str, ...]:
 
 
 def _cell(
-    rows: str | tuple[str, ...], method: str, field: str, where: tuple[tuple[str, Any], ...]
+    rows: str | tuple[str, ...],
+    method: str,
+    field: str,
+    where: tuple[tuple[str, Any], ...],
+    named: str | None = None,
 ) -> Headline:
-    """A table cell's figure: ``score`` as the mean in percent, ``compression`` as the range."""
+    """A table cell's figure: ``score`` as the mean in percent, ``compression`` as the range (``named``: see
+    :class:`Headline`)."""
     if field == "score":
-        return Headline(rows, method, field, "{:.0f} %", where, summary="mean", scale=100)
-    return Headline(rows, method, field, "{:.1f}x", where, summary="range")
+        return Headline(rows, method, field, "{:.0f} %", where, summary="mean", scale=100, named=named)
+    return Headline(rows, method, field, "{:.1f}x", where, summary="range", named=named)
 
+
+CANDIDATE = "depthweave:quote=3,quote_after=16"
+"""The default since spec version 9 as its rows of version 8 are written (thirty-third session): ``quote`` with
+passages reaching 16 tokens past the quote."""
+
+CANDIDATE_16 = "depthweave:compression=16.0,quote=3,quote_after=16"
+""":data:`CANDIDATE` at ~16x, as its rows are written."""
+
+DEFAULT_V8 = "depthweave:quote=0,quote_after=48"
+"""Spec version 8's default as read today: the figures of its rows that the text names as such carry no note."""
 
 _CODE_8K = ("rec-8k-code", "rec-8k-code-seed1")
 NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...]], ...] = (
@@ -142,19 +160,21 @@ NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...
     ("pydoc-8k", "niah_multiquery_common", 8192, "recall-8k-pydoc", "recall-8k-pydoc"),
     ("code-8k", "code", 8192, _CODE_8K, _CODE_8K),
 )
-"""The README's table of DepthWeave's default (rows written as ``depthweave:recall=8``, the same configuration):
-(name, task, context, `full`'s run folders, the default's); each row's two methods ran on the same samples."""
+"""The README's table of DepthWeave's default (rows written as :data:`CANDIDATE`, the same configuration; the
+``qa-8k`` row, whose question is prefilled with its document so ``quote`` cannot act, has the rows of spec version
+8's default, ``depthweave:recall=8``): (name, task, context, `full`'s run folders, the default's); each row's two
+methods ran on the same samples."""
 
 X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", "depthweave:recall=8"),
-    ("mq", "niah_multiquery", "dw-8k-v4", "v8-8k", "depthweave"),
-    ("word", "niah_word", "dw-8k-v4-b", "v8-8k", "depthweave"),
-    ("uuid", "niah_uuid", "dw-8k-v4-b", "v8-8k", "depthweave"),
-    ("code", "code", "dw-8k-v4-b", "rec-8k-code", "depthweave:recall=8"),
+    ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", CANDIDATE),
+    ("mq", "niah_multiquery", "dw-8k-v4", "v8-8k", CANDIDATE),
+    ("word", "niah_word", "dw-8k-v4-b", "v8-8k", CANDIDATE),
+    ("uuid", "niah_uuid", "dw-8k-v4-b", "v8-8k", CANDIDATE),
+    ("code", "code", "dw-8k-v4-b", "rec-8k-code", CANDIDATE),
 )
 """The README's xKV table at 8K (pydoc haystack, code): (name, task, the folder of `full` and `xkv`, the folder
-of DepthWeave's newest configuration on the same samples, its spec; DepthWeave at 16x is today's default in
-``v8-8k``, the same samples; multi-key and code at 8x are the ``depthweave:recall=8`` rows, today's default)."""
+of DepthWeave's default on the same samples (its rows written as :data:`CANDIDATE`), its spec; DepthWeave at 16x
+is :data:`CANDIDATE_16` in ``v8-8k``, the same samples)."""
 
 QUOTE_ROWS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
     (
@@ -214,10 +234,6 @@ QUOTE_VARIANTS: tuple[tuple[str, str, str, str], ...] = (
 )
 """``quote=3`` with 512 tokens of context per passage, its passages at 16 bits, or reaching 16 tokens past the
 quote (thirty-second session): (name, task, run folder at 8K, spec)."""
-
-CANDIDATE = "depthweave:quote=3,quote_after=16"
-"""The candidate default of spec version 9 (thirty-third session): ``quote`` with passages reaching 16 tokens past
-the quote."""
 
 C9_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...], str], ...] = (
     *Q9_ROWS,
@@ -733,8 +749,8 @@ HEADLINES: dict[str, Headline] = {
         for name, task, context, full_runs, default_runs in NOW_ROWS
         for short, runs, method, field in (
             ("full", full_runs, "full", "score"),
-            ("dw", default_runs, "depthweave:recall=8", "score"),
-            ("dwx", default_runs, "depthweave:recall=8", "compression"),
+            ("dw", default_runs, CANDIDATE if name != "qa-8k" else "depthweave:recall=8", "score"),
+            ("dwx", default_runs, CANDIDATE if name != "qa-8k" else "depthweave:recall=8", "compression"),
         )
     },
     # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
@@ -745,7 +761,7 @@ HEADLINES: dict[str, Headline] = {
             ("full", folder, "full"),
             ("dw", dw_folder, dw_method),
             ("xkv", folder, "xkv"),
-            ("dw16", "v8-8k", "depthweave:compression=16.0"),
+            ("dw16", "v8-8k", CANDIDATE_16),
         )
     },
     **{  # the xKV table's compression, over its tasks
@@ -754,9 +770,9 @@ HEADLINES: dict[str, Headline] = {
         )
         for short, method, folders in (
             ("xkv", "xkv", ("dw-8k-v4", "dw-8k-v4-b")),
-            ("dw16", "depthweave:compression=16.0", "v8-8k"),
-            ("dw8", "depthweave:recall=8", ("rec-8k-mk", "rec-8k-code")),
-            ("dw", "depthweave", "v8-8k"),
+            ("dw16", CANDIDATE_16, "v8-8k"),
+            ("dw8", CANDIDATE, ("rec-8k-mk", "rec-8k-code")),
+            ("dw", CANDIDATE, "v8-8k"),
         )
     },
     # quote beside the default (findings, thirty-first session)
@@ -785,7 +801,9 @@ HEADLINES: dict[str, Headline] = {
     },
     # the candidate default beside version 8's default on all its tables' samples (findings, thirty-third session)
     **{
-        f"c9-{name}-{short}": _cell(_runs(runs), method, field, (("task", task), ("context", context)))
+        f"c9-{name}-{short}": _cell(
+            _runs(runs), method, field, (("task", task), ("context", context)), named=DEFAULT_V8
+        )
         for name, task, context, full_runs, dw_runs, v8 in C9_ROWS
         for short, runs, method, field in (
             ("full", full_runs, "full", "score"),

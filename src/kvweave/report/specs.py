@@ -21,6 +21,7 @@ LEGACY_DEFAULTS: dict[str, dict[int, dict[str, Any]]] = {
         6: {"protect_names": 0},
         7: {"protect_records": 0},
         8: {"recall": 0},
+        9: {"quote": 0, "quote_after": 48},
     },
     "dkcache": {2: {"bits": 16, "decouple": True}, 3: {"storage": "model"}},
     "h2o": {3: {"storage": "model"}},
@@ -44,7 +45,7 @@ teacher-forced tokens, or stepwise perplexity) read with the old value; other ro
 today, so a short answer's recorded value of such an option counts only where its spec set it."""
 
 
-SPEC_VERSION = 8
+SPEC_VERSION = 9
 """Written into every result row (``spec_version``): rows with an older one (none: version 1) predate the
 current option names or defaults, and :func:`canonical_spec` reads them with :data:`LEGACY_DEFAULTS`.
 Version 2: one budget vocabulary, DK-Cache at INT8 without decoupling, DepthWeave's selective decode;
@@ -54,7 +55,9 @@ buffer holds its unfolded tokens beyond ``recent`` as 4-bit blocks and takes mor
 budget (``middle_bits=4``, ``recent_share=0.8``; long generations only: :data:`LONG_GENERATION_DEFAULTS`);
 version 6: DepthWeave keeps long numbers' names exact with them (``protect_names=2``); version 7: DepthWeave keeps
 the fields of repeated records exact, whatever their characters (``protect_records=6``); version 8: DepthWeave
-rebuilds a passage the decode starts copying from its token ids (``recall=8``)."""
+rebuilds a passage the decode starts copying from its token ids (``recall=8``); version 9: DepthWeave rebuilds
+the passages a question fed after its document quotes, reaching 16 tokens past the quote (``quote=3``,
+``quote_after=16``)."""
 
 
 def canonical_spec(

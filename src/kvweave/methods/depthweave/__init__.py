@@ -338,7 +338,7 @@ class DepthWeave(Method):
         tuning=True,
     )
     quote: int = option(
-        0,
+        3,
         "a multi-token step of at most 512 tokens over the compressed cache (a question fed after its document): "
         "each run of N or more of its ids that occurred once before rebuilds the passage around it (up to 4 a "
         "row), attended by that step and the decode steps after it while the answer copies from them; 0: off",
@@ -351,7 +351,7 @@ class DepthWeave(Method):
         tuning=True,
     )
     quote_after: int = option(
-        48,
+        16,
         "with quote: tokens each quoted passage reaches past the quote (the value a question asks for follows it; "
         "with 4-bit passages, 16 before plus this, in whole blocks of 32)",
         tuning=True,
