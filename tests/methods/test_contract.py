@@ -402,7 +402,8 @@ def test_old_rows_keep_their_meaning_when_defaults_change():
     )
     assert (
         canonical_spec(
-            "depthweave:protect=0.02,protect_names=2,protect_records=6,recall=8,quote=3,quote_after=16", version=3
+            "depthweave:protect=0.02,protect_names=2,protect_records=6,recall=8,quote=3,quote_after=16",
+            version=3,
         )
         == "depthweave"
     )
@@ -416,12 +417,21 @@ def test_old_rows_keep_their_meaning_when_defaults_change():
         == "depthweave:quote=0,quote_after=48"
     )
     # spec version 7: DepthWeave keeps repeated records' fields exact; version-6 rows did not
-    assert canonical_spec("depthweave", version=6) == "depthweave:protect_records=0,recall=0,quote=0,quote_after=48"
-    assert canonical_spec("depthweave:protect_records=6,recall=8", version=6) == "depthweave:quote=0,quote_after=48"
+    assert (
+        canonical_spec("depthweave", version=6)
+        == "depthweave:protect_records=0,recall=0,quote=0,quote_after=48"
+    )
+    assert (
+        canonical_spec("depthweave:protect_records=6,recall=8", version=6)
+        == "depthweave:quote=0,quote_after=48"
+    )
     # spec version 8: DepthWeave rebuilds copied passages from their ids; version-7 rows did not
     assert canonical_spec("depthweave", version=7) == "depthweave:recall=0,quote=0,quote_after=48"
     assert canonical_spec("depthweave:recall=8", version=7) == "depthweave:quote=0,quote_after=48"
-    assert canonical_spec("depthweave:protect_records=0", version=8) == "depthweave:protect_records=0,quote=0,quote_after=48"
+    assert (
+        canonical_spec("depthweave:protect_records=0", version=8)
+        == "depthweave:protect_records=0,quote=0,quote_after=48"
+    )
     assert canonical_spec("xkv", version=7) == "xkv"  # xKV never had recall
     # spec version 9: DepthWeave rebuilds what a question fed after its document quotes; version-8 rows did not
     assert canonical_spec("depthweave", version=8) == "depthweave:quote=0,quote_after=48"

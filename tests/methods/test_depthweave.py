@@ -1175,14 +1175,14 @@ def test_recall_rebuilds_a_copied_passage_exactly_where_its_context_is_whole(mod
     stream = _copy_stream()
     caches = {}
     for recall in (0, 4):
-        cache = kvweave.make_cache("depthweave", model, recall=recall, recall_bits=16, **SMALL)
+        cache = kvweave.make_cache("depthweave", model, recall=recall, quote=0, recall_bits=16, **SMALL)
         with torch.no_grad():
             model(stream[:, :48], **{cache_kwarg(model): cache})
         caches[recall] = (cache, *_feed(model, cache, stream, 48, stream.shape[1] - 1, watch=(197, 210)))
     (_, off, _), (cache, on, seen) = caches[0], caches[4]
     assert torch.equal(off[:150], on[:150])  # no copy yet: the same logits
     assert not seen[197][0]  # nothing rebuilt before the copy
-    assert caches[0][0].context.decode_state is None  # recall off: no index, nothing rebuilt
+    assert caches[0][0].context.decode_state is None  # recall and quote off: nothing rebuilt
     assert cache.context.decode_state.rebuilds >= 1
     # what recall reads is counted: the ids (4 bytes each), 198 at step 197; nothing else is stored to match them
     assert seen[197][1] - caches[0][2][197][1] == 198 * 4
@@ -1430,7 +1430,9 @@ def test_quote_rebuilds_the_passage_a_question_quotes_exactly_where_its_context_
         exact = model(stream).logits[0, 200:]
     errors, caches = {}, {}
     for quote in (0, 4):
-        cache = kvweave.make_cache("depthweave", model, recall=recall, quote=quote, recall_bits=16, **SMALL)
+        cache = kvweave.make_cache(
+            "depthweave", model, recall=recall, quote=quote, quote_after=AFTER, recall_bits=16, **SMALL
+        )
         kw = {cache_kwarg(model): cache}
         with torch.no_grad():
             model(prompt, **kw)
@@ -1521,7 +1523,9 @@ def test_quote_spans_stay_while_the_answer_copies_from_them(model):
     from kvweave.methods.depthweave.recall import FRESH
 
     prompt, question = _quote_stream()
-    cache = kvweave.make_cache("depthweave", model, recall=0, quote=4, recall_bits=16, **SMALL)
+    cache = kvweave.make_cache(
+        "depthweave", model, recall=0, quote=4, quote_after=48, recall_bits=16, **SMALL
+    )
     kw = {cache_kwarg(model): cache}
     passage = prompt[0, 20:84].tolist()  # inside the span rebuilt (slots 20-84)
     with torch.no_grad():
@@ -1581,7 +1585,7 @@ def test_quote_holds_several_passages_and_hides_only_their_stored_slots(model):
     question = torch.cat([torch.randint(3, 140, (1, 4)), first, torch.tensor([[5, 6]]), second], dim=1)
     outs = {}
     for quote in (0, 3):
-        cache = kvweave.make_cache("depthweave", model, quote=quote, **SMALL)
+        cache = kvweave.make_cache("depthweave", model, quote=quote, quote_after=48, **SMALL)
         kw = {cache_kwarg(model): cache}
         with torch.no_grad():
             model(prompt, **kw)

@@ -50,7 +50,10 @@ def test_a_figure_from_older_defaults_names_the_configuration_it_measured(tmp_pa
     current = Headline("rows.jsonl", "depthweave", "speedup", "{:.2f}x")
     assert current.value(tmp_path) == "1.10x"  # the median, current defaults: no note
     _rows(tmp_path, [{"method": "depthweave", "spec_version": 8, "speedup": 1.13}])
-    assert current.value(tmp_path) == "1.13x (rows of `depthweave:quote=0,quote_after=48`, an older configuration)"
+    assert (
+        current.value(tmp_path)
+        == "1.13x (rows of `depthweave:quote=0,quote_after=48`, an older configuration)"
+    )
     _rows(tmp_path, [{"method": "depthweave", "spec_version": 7, "speedup": 1.13}])
     old = "1.13x (rows of `depthweave:recall=0,quote=0,quote_after=48`, an older configuration)"
     assert current.value(tmp_path) == old
