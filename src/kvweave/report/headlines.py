@@ -820,6 +820,24 @@ HEADLINES: dict[str, Headline] = {
             ("ax", dw_runs, CANDIDATE, "compression"),
         )
     },
+    # the candidate default at ~16x beside version 8's default at ~16x, the same samples (findings, thirty-third)
+    **{
+        f"c16-{name}-{short}": _cell(_runs("v8-8k"), method, field, (("task", task), ("context", 8192)))
+        for name, task in (
+            ("mk", "niah_multikey"),
+            ("mq", "niah_multiquery"),
+            ("word", "niah_word"),
+            ("uuid", "niah_uuid"),
+            ("code", "code"),
+        )
+        for short, method, field in (
+            ("full", "full", "score"),
+            ("v8", "depthweave:compression=16.0", "score"),
+            ("v8x", "depthweave:compression=16.0", "compression"),
+            ("a", "depthweave:compression=16.0,quote=3,quote_after=16", "score"),
+            ("ax", "depthweave:compression=16.0,quote=3,quote_after=16", "compression"),
+        )
+    },
     # the README's long-generation table: every baseline's cells that have rows
     **{
         f"lg-{short}-{n // 1024}k-{field}": _cell(
