@@ -16,9 +16,10 @@ it), and it is held beside the compressed stores while it is used, as 4-bit bloc
 reads with ``N`` vector comparisons a step (:func:`copy_source`; nothing else is stored for it). A prompt's own
 repeats are the prompt's.
 
-With ``quote=M`` (default 3, since spec version 9) a multi-token step over the compressed cache of at most :data:`QUOTED` tokens
-(a question fed after its document) does the same for what it quotes: each run of ``M`` or more of its ids that
-occurred exactly once in the compressed part rebuilds the passage around that occurrence (:func:`quote_sources`;
+With ``quote=M`` (default 3, since spec version 9) a multi-token step over the compressed cache of at most
+:data:`QUOTED` tokens (a question fed after its document) does the same for what it quotes: each run of ``M`` or
+more of its ids that occurred exactly once in the compressed part rebuilds the passage around that occurrence
+(:func:`quote_sources`;
 at most :data:`QUOTES` passages a row, the longest runs first), and the step itself and the decode steps after it
 attend to them, for as long as the answer copies from them (:data:`FRESH` steps after the question or after the
 last step whose newest ``M`` ids occur inside a passage held: :func:`copies_from`). A question names a fact by
