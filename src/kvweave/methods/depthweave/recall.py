@@ -20,14 +20,14 @@ With ``quote=M`` (default 3, since spec version 9) a multi-token step over the c
 :data:`QUOTED` tokens (a question fed after its document) does the same for what it quotes: each run of ``M`` or
 more of its ids that occurred exactly once in the compressed part rebuilds the passage around that occurrence
 (:func:`quote_sources`; at most :data:`QUOTES` passages a row, the longest runs first), and the step itself and
-the decode steps after it attend to them, for as long as the answer copies from them (:data:`FRESH` steps after the question or after the
-last step whose newest ``M`` ids occur inside a passage held: :func:`copies_from`). A question names a fact by
-words of the document (the key of a needle, a function's name); the value the answer copies follows it,
-whatever it looks like. Each quoted passage is rebuilt with ``quote_context`` tokens of context before it
-(default :data:`CONTEXT`) and reaches ``quote_after`` tokens past the quote (default 16: with 4-bit passages one
-32-token block; a passage reaching further, e.g. :data:`AFTER` as before spec version 9, pulls an answer listing
-several values toward the passage's own text). The state here (the spans held) is never saved: a loaded cache
-matches from its saved ids.
+the decode steps after it attend to them, for as long as the answer copies from them (:data:`FRESH` steps after
+the question or after the last step whose newest ``M`` ids occur inside a passage held: :func:`copies_from`). A
+question names a fact by words of the document (the key of a needle, a function's name); the value the answer
+copies follows it, whatever it looks like. Each quoted passage is rebuilt with ``quote_context`` tokens of
+context before it (default :data:`CONTEXT`) and reaches ``quote_after`` tokens past the quote (default 16: with
+4-bit passages one 32-token block; a passage reaching further, e.g. :data:`AFTER` as before spec version 9, pulls
+an answer listing several values toward the passage's own text). The state here (the spans held) is never saved:
+a loaded cache matches from its saved ids.
 """
 
 from __future__ import annotations
