@@ -849,6 +849,14 @@ HEADLINES: dict[str, Headline] = {
             ("ax", CANDIDATE_16, "compression"),
         )
     },
+    # the candidate default's long-generation cells that have rows (findings, thirty-third session)
+    **{
+        f"longgen-dwq-{n // 1024}k-{field}": _cell(
+            LONGGEN_ROWS[n], CANDIDATE, field, (("task", "niah_multikey"), ("generated", n))
+        )
+        for n in (1024,)
+        for field in ("score", "compression")
+    },
     # the README's long-generation table: every baseline's cells that have rows
     **{
         f"lg-{short}-{n // 1024}k-{field}": _cell(
