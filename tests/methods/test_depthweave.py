@@ -1486,6 +1486,27 @@ def test_quote_context_rebuilds_a_far_passage_with_its_whole_context(model):
         kvweave.make_cache("depthweave", model, quote=3, quote_context=-1)
 
 
+def test_quote_acts_on_a_loaded_cache_as_on_the_one_saved(model, tmp_path):
+    """A prompt's cache saved and loaded (the saved-prefix path): the question fed after it rebuilds the passage
+    it quotes from the saved ids, as the cache never saved does, with the same logits and bytes."""
+    prompt, question = _quote_stream(2)
+    cache = kvweave.make_cache("depthweave", model, recall=0, quote=4, **SMALL)
+    with torch.no_grad():
+        model(prompt, **{cache_kwarg(model): cache})
+    kvweave.save_cache(cache, model, tmp_path / "kv")
+    loaded, _ = kvweave.load_cache(tmp_path / "kv", model)
+    assert loaded.layers[0].method.quote == 4
+    logits = {}
+    for name, held in (("saved", cache), ("loaded", loaded)):
+        with torch.no_grad():
+            logits[name] = model(question, **{cache_kwarg(model): held}).logits
+        assert held.context.decode_state.rebuilds == 1
+        assert held.layers[0].recall_spans[0]
+    assert loaded.layers[0].recall_spans == cache.layers[0].recall_spans
+    assert loaded.nbytes() == cache.nbytes()
+    torch.testing.assert_close(logits["loaded"], logits["saved"])
+
+
 def test_quote_after_sets_how_far_a_quoted_passage_reaches(model):
     """``quote_after`` tokens past the quote: 16 gives one 32-token block (16 before the source, 16 after) where
     the default gives two; out of range is refused."""
