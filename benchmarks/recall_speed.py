@@ -10,7 +10,12 @@ bench's pydoc prose, one exact prefill replayed into every method that prefills 
   round), what an answer quoting its document does. With ``recall=N`` on, the first ``N`` tokens of it find
   the source and each ~32 tokens after that rebuild the next span (one forward pass over <= 128 tokens);
 - ``other``: another document (``--other``, a haystack: by default CPython source code), which the prompt
-  does not hold: recall's bookkeeping with little to rebuild.
+  does not hold: recall's bookkeeping with little to rebuild;
+- ``quote``: a question fed as one step that quotes 16 tokens of the prompt (from ``--context // 2`` on,
+  another passage each round), then the prompt's next tokens one per step, an answer read from the passage
+  quoted. With ``quote=M`` on (DepthWeave's default since spec version 9) the question's step rebuilds the
+  passage, and the steps after it attend to it while it is held: the question's step is timed apart
+  (``ms_question``), the decode steps as in the other phases.
 
 Each round runs the phases for every method in turn (interleaved, so the machine's drift hits all alike).
 Rows (JSON lines appended to ``--out``): per round, method and phase the mean, median and slowest step in ms,
@@ -34,7 +39,9 @@ from typing import Any
 
 import torch
 
-PHASES = ("next", "copy", "other")
+PHASES = ("next", "copy", "other", "quote")
+QUESTION = 16
+"""Tokens of the prompt the ``quote`` phase's question quotes (one multi-token step)."""
 
 
 def rebuilds(cache: Any) -> int:
@@ -58,15 +65,23 @@ def prefill(model: Any, spec: str, ids: torch.Tensor, shared: Any) -> tuple[Any,
     return cache, time.perf_counter() - start
 
 
-def feed(model: Any, cache: Any, tokens: torch.Tensor) -> dict[str, Any]:
-    """Teacher-force ``tokens: [1, n]`` one per step; each step's seconds, the loss of tokens 1..n given the
-    ones before, and the spans rebuilt meanwhile."""
+def feed(
+    model: Any, cache: Any, tokens: torch.Tensor, question: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """Teacher-force ``tokens: [1, n]`` one per step (after ``question: [1, q]`` as one step, timed apart, when
+    given); each step's seconds, the loss of tokens 1..n given the ones before, and the spans rebuilt
+    meanwhile (the question's included)."""
     from kvweave._compat import cache_kwarg
 
     before = rebuilds(cache)
     seconds: list[float] = []
     losses: list[float] = []
+    asked = None
     with torch.no_grad():
+        if question is not None:
+            start = time.perf_counter()
+            model(question, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+            asked = 1000 * (time.perf_counter() - start)
         for i in range(tokens.shape[1]):
             start = time.perf_counter()
             logits = model(tokens[:, i : i + 1], use_cache=True, **{cache_kwarg(model): cache}).logits
@@ -80,6 +95,7 @@ def feed(model: Any, cache: Any, tokens: torch.Tensor) -> dict[str, Any]:
         "ms_max": 1000 * max(seconds),
         "loss": statistics.fmean(losses) if losses else None,
         "rebuilds": rebuilds(cache) - before,
+        "ms_question": asked,
     }
 
 
@@ -98,6 +114,7 @@ def summaries(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]
                 for r in mine
                 if (r["round"], reference, phase) in by_key
             ]
+            asked = [r["ms_question"] for r in mine if r.get("ms_question") is not None]
             out.append(
                 {
                     "kind": "summary",
@@ -108,6 +125,7 @@ def summaries(rows: list[dict[str, Any]], reference: str) -> list[dict[str, Any]
                     "speedup": statistics.median(ratios) if ratios else None,
                     "rebuilds": sum(r["rebuilds"] for r in mine),
                     "loss": statistics.fmean(r["loss"] for r in mine if r["loss"] is not None),
+                    "ms_question": statistics.median(asked) if asked else None,
                     "reference": reference,
                 }
             )
@@ -135,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.context, args.steps, args.rounds) < 1:
         parser.error("--context, --steps and --rounds must be positive")
-    if args.context // 4 + args.rounds * args.steps > args.context - 1024:
+    if args.context // 2 + args.rounds * (QUESTION + args.steps) > args.context - 1024:
         parser.error(
-            f"--context {args.context} is too short for {args.rounds} rounds of {args.steps} copied tokens "
-            "(each copies another passage of the prompt, before its newest 1,024 tokens); lower --steps or "
-            "--rounds, or raise --context"
+            f"--context {args.context} is too short for {args.rounds} rounds of {args.steps} copied or quoted "
+            "tokens (each round copies and quotes other passages of the prompt, before its newest 1,024 "
+            "tokens); lower --steps or --rounds, or raise --context"
         )
     from kvweave.cli_args import _split
     from kvweave.registry import parse_method
@@ -185,14 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         source = args.context // 4 + round_ * args.steps
+        quoted = args.context // 2 + round_ * (QUESTION + args.steps)
         tokens = {
             "next": following[:, round_ * args.steps : (round_ + 1) * args.steps],
             "copy": ids[:, source : source + args.steps],
             "other": other[:, round_ * args.steps : (round_ + 1) * args.steps],
+            "quote": ids[:, quoted + QUESTION : quoted + QUESTION + args.steps],
         }
+        sources = {"copy": source, "quote": quoted}
         for spec in specs:
             for phase in PHASES:
-                measured = feed(model, caches[spec], tokens[phase])
+                question = ids[:, quoted : quoted + QUESTION] if phase == "quote" else None
+                measured = feed(model, caches[spec], tokens[phase], question)
                 row = {
                     "kind": "round",
                     "spec_version": SPEC_VERSION,
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "phase": phase,
                     "context": args.context,
                     "steps": args.steps,
-                    "source": source if phase == "copy" else None,
+                    "source": sources.get(phase),
                     **measured,
                     "kv_bytes": int(caches[spec].nbytes()),
                 }
@@ -209,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(
                     f"round {round_ + 1}/{args.rounds} {spec:28} {phase:5} {row['ms_mean']:8.1f} ms/step "
-                    f"(max {row['ms_max']:.0f}) loss {row['loss']:.3f} rebuilds {row['rebuilds']}",
+                    f"(max {row['ms_max']:.0f}) loss {row['loss']:.3f} rebuilds {row['rebuilds']}"
+                    + (f" question {row['ms_question']:.0f} ms" if row["ms_question"] is not None else ""),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -219,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{summary['method']:28} {summary['phase']:5} {summary['ms_mean']:8.1f} ms/step  "
             f"{summary['speedup']:.2f}x of {specs[0]}  loss {summary['loss']:.3f}  rebuilds {summary['rebuilds']}"
+            + (f"  question {summary['ms_question']:.0f} ms" if summary["ms_question"] is not None else "")
         )
     return 0
 

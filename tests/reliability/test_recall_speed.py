@@ -14,7 +14,8 @@ def test_summaries_take_each_ratio_within_its_round() -> None:
             for phase in speed.PHASES:
                 rows.append(
                     {"kind": "round", "round": round_, "method": method, "phase": phase, "ms_mean": ms,
-                     "rebuilds": rebuilt if phase == "copy" else 0, "loss": 1.0 + round_}
+                     "rebuilds": rebuilt if phase == "copy" else 0, "loss": 1.0 + round_,
+                     "ms_question": 10.0 * (round_ + 1) if phase == "quote" else None}
                 )  # fmt: skip
     summaries = {(s["method"], s["phase"]): s for s in speed.summaries(rows, "full")}
     copy = summaries[("depthweave:recall=8", "copy")]
@@ -23,6 +24,8 @@ def test_summaries_take_each_ratio_within_its_round() -> None:
     assert copy["loss"] == pytest.approx(2.0)
     assert summaries[("depthweave:recall=8", "other")]["rebuilds"] == 0
     assert summaries[("full", "next")]["speedup"] == 1.0
+    assert summaries[("full", "quote")]["ms_question"] == 20.0  # the question's step: its median, timed apart
+    assert summaries[("full", "next")]["ms_question"] is None
 
 
 @pytest.mark.parametrize(
