@@ -319,6 +319,24 @@ HEADLINES: dict[str, Headline] = {
         for what, field, fmt in (("loss", "loss", "{:.2f}"), ("speed", "speedup", "{:.2f}x"))
         if (short, what) != ("full", "speed")  # the reference: 1.00x
     },
+    **{  # a question's passages held (recall_speed.py's quote phase, thirty-fourth session)
+        f"qs-{short}-16k-{phase}-{what}": Headline(
+            "docs/data/bench/quote-speed-16k.jsonl",
+            method,
+            field,
+            fmt,
+            (("kind", "summary"), ("phase", phase)),
+            scale=scale,
+        )
+        for short, method in (("full", "full"), ("dw", "depthweave"), ("dw0", "depthweave:quote=0"))
+        for phase in ("next", "copy", "other", "quote")
+        for what, field, fmt, scale in (
+            ("speed", "speedup", "{:.2f}x", 1.0),
+            ("loss", "loss", "{:.2f}", 1.0),
+            ("question", "ms_question", "{:.1f} s", 0.001),
+        )
+        if (short, what) != ("full", "speed") and (what != "question" or phase == "quote")
+    },
     "dw-16k-bound": Headline(
         "docs/data/bench/bench-16k-v4.jsonl", "depthweave", "bound", "{:.2f}x", (("context", 16384),)
     ),
