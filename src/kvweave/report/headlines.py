@@ -116,6 +116,11 @@ LONGGEN_ROWS: dict[int, str | tuple[str, ...]] = {
 """The long-generation table's rows by generated tokens (``scripts/longgen.sh``; `full`'s 4K trials 0-1 are in
 the first run of that column)."""
 
+LONGGEN_V9: dict[int, str] = {4096: "docs/data/runs/longgen-2k-4k-v9/rows.jsonl"}
+"""Today's default's long-generation cells (spec version 9, rows written as ``depthweave``) by generated tokens,
+in folders of their own (``LONGGEN_OUT``: the older folders' ``depthweave`` rows are spec version 5's); the same
+samples as :data:`LONGGEN_ROWS`. The 1K cell is :data:`CANDIDATE`'s rows there."""
+
 
 def _runs(folders: str | tuple[str, ...]) -> str | tuple[str, ...]:
     """Run folders' rows files: one folder or several."""
@@ -867,6 +872,13 @@ HEADLINES: dict[str, Headline] = {
             LONGGEN_ROWS[n], CANDIDATE, field, (("task", "niah_multikey"), ("generated", n))
         )
         for n in (1024,)
+        for field in ("score", "compression")
+    },
+    **{  # today's default's cells run after the promotion (thirty-fourth session)
+        f"longgen-dw9-{n // 1024}k-{field}": _cell(
+            rows, "depthweave", field, (("task", "niah_multikey"), ("generated", n))
+        )
+        for n, rows in LONGGEN_V9.items()
         for field in ("score", "compression")
     },
     **{  # the cells not yet rerun with it: spec version 8's default, named so in the README
