@@ -116,7 +116,10 @@ LONGGEN_ROWS: dict[int, str | tuple[str, ...]] = {
 """The long-generation table's rows by generated tokens (``scripts/longgen.sh``; `full`'s 4K trials 0-1 are in
 the first run of that column)."""
 
-LONGGEN_V9: dict[int, str] = {4096: "docs/data/runs/longgen-2k-4k-v9/rows.jsonl"}
+LONGGEN_V9: dict[int, str] = {
+    4096: "docs/data/runs/longgen-2k-4k-v9/rows.jsonl",
+    8192: "docs/data/runs/longgen-2k-8k-v9/rows.jsonl",
+}
 """Today's default's long-generation cells (spec version 9, rows written as ``depthweave``) by generated tokens,
 in folders of their own (``LONGGEN_OUT``: the older folders' ``depthweave`` rows are spec version 5's); the same
 samples as :data:`LONGGEN_ROWS`. The 1K cell is :data:`CANDIDATE`'s rows there."""
@@ -881,7 +884,7 @@ HEADLINES: dict[str, Headline] = {
         for n, rows in LONGGEN_V9.items()
         for field in ("score", "compression")
     },
-    **{  # the cells not yet rerun with it: spec version 8's default, named so in the README
+    **{  # spec version 8's default's cells, named so where the findings set them beside today's
         f"longgen-v8-{n // 1024}k-{field}": _cell(
             LONGGEN_ROWS[n],
             "depthweave:recall=8",
