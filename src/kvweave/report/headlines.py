@@ -807,6 +807,14 @@ HEADLINES: dict[str, Headline] = {
             ("dw16", "v8-8k", CANDIDATE_16),
         )
     },
+    **{  # the xKV table's code row over 12 trials: its samples and seed 1's (thirty-fourth session)
+        f"x8c12-{short}": _cell(_runs(folders), method, "score", (("task", "code"), ("context", 8192)))
+        for short, method, folders in (
+            ("full", "full", ("dw-8k-v4-b", "rec-8k-code-seed1")),
+            ("dw", CANDIDATE, ("rec-8k-code", "rec-8k-code-seed1")),
+            ("xkv", "xkv", ("dw-8k-v4-b", "x8-code-seed1")),
+        )
+    },
     **{  # the xKV table's compression, over its tasks
         f"x8-{short}-compression": Headline(
             _runs(folders), method, "compression", "{:.1f}x", (("context", 8192),), summary="range"
