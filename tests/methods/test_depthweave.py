@@ -1569,7 +1569,7 @@ def test_an_eval_rows_bytes_count_the_quoted_passages_held_during_the_answer(mod
     passages, dropped before the answer ends, still count (the bytes at the end alone would miss them)."""
     from transformers import LogitsProcessorList
 
-    from kvweave.eval.runner import _StepClock
+    from kvweave.eval.runner import _StepClock, rebuilt_spans
     from kvweave.methods.depthweave.recall import FRESH
 
     prompt, question = _quote_stream()
@@ -1594,6 +1594,7 @@ def test_an_eval_rows_bytes_count_the_quoted_passages_held_during_the_answer(mod
         peaks[quote] = clock.peak
     assert cache.context.decode_state.rebuilds == 1 and not any(layer.recall for layer in cache.layers)
     assert peaks[4] > cache.nbytes() and peaks[4] > peaks[0] > 0
+    assert rebuilt_spans(cache) == 1  # what the row's rebuilt_spans counts: quote acted once
 
 
 def test_quote_holds_several_passages_and_hides_only_their_stored_slots(model):

@@ -87,3 +87,30 @@ def test_a_figure_over_several_runs_reads_every_file_and_refuses_a_missing_one(t
     assert runs.value(tmp_path) == "1.07–1.27x"
     with pytest.raises(FileNotFoundError, match="c.jsonl"):
         Headline(("a.jsonl", "c.jsonl"), "depthweave", "speedup", "{:.2f}x").value(tmp_path)
+
+
+def test_a_figure_over_two_strings_of_one_configuration_reads_each_row_at_its_version(tmp_path):
+    # spec version 8 wrote today's default at ~16x with quote spelled out; version 9 writes it bare
+    _rows(
+        tmp_path,
+        [
+            {"method": "depthweave:compression=16.0,quote=3,quote_after=16", "spec_version": 8, "score": 0.2},
+            {"method": "depthweave:compression=16.0", "spec_version": 9, "score": 0.4},
+            {"method": "depthweave:compression=16.0,quote=0", "spec_version": 9, "score": 0.9},
+        ],
+    )
+    both = ("depthweave:compression=16.0", "depthweave:compression=16.0,quote=3,quote_after=16")
+    cell = Headline("rows.jsonl", both, "score", "{:.0f} %", summary="mean", scale=100)
+    assert cell.value(tmp_path) == "30 %"  # both strings' rows, the third (another string) left out
+    # a string that meant something else when its row was written is named, as for one string
+    _rows(tmp_path, [{"method": "depthweave:compression=16.0", "spec_version": 8, "score": 0.4}])
+    assert cell.value(tmp_path) == (
+        "40 % (rows of `depthweave:compression=16.0,quote=0,quote_after=48`, an older configuration)"
+    )
+    # a second string that is another configuration today is refused: a figure is one configuration
+    other = dataclasses.replace(
+        cell, method=("depthweave:compression=16.0", "depthweave:compression=16.0,quote=0")
+    )
+    _rows(tmp_path, [{"method": "depthweave:compression=16.0,quote=0", "spec_version": 9, "score": 0.9}])
+    with pytest.raises(ValueError, match="not depthweave:compression=16.0's configuration"):
+        other.value(tmp_path)

@@ -572,6 +572,10 @@ def test_a_batch_of_long_generation_trials_gives_each_trials_own_row(
         assert one["kv_bytes"] <= many["kv_bytes"] <= 1.25 * one["kv_bytes"]
         if method.startswith("depthweave"):  # but for the ids recall reads, padding slots included (4 B each)
             assert many["kv_bytes"] == one["kv_bytes"] + 4 * many["padding"]
+        # the passages rebuilt while the question and answer were fed: counted for DepthWeave (quote on), no
+        # other method rebuilds any
+        assert many["rebuilt_spans"] == one["rebuilt_spans"]
+        assert (one["rebuilt_spans"] is None) == (not method.startswith("depthweave"))
 
 
 class _Killed(Exception):

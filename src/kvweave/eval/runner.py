@@ -519,6 +519,7 @@ def answer(
     mask = torch.ones_like(full)
     mask[:, :padding] = 0
     stopping = StoppingCriteriaList([FirstLineDone(tokenizer, full.shape[1])] if spec.stop_after_line else [])
+    rebuilt_before = rebuilt_spans(cache) or 0
     with torch.no_grad():
         out = model.generate(
             full,
@@ -531,6 +532,7 @@ def answer(
             **{kw: cache},
         )
     new_ids = out[0, full.shape[1] :].tolist()
+    rebuilt = rebuilt_spans(cache)
     prediction = tokenizer.decode(new_ids, skip_special_tokens=True)
     steps = len(clock.times) - 1
     decode_s = clock.times[-1] - clock.times[0] if steps > 0 else float("nan")
@@ -575,6 +577,7 @@ def answer(
         "decode_tok_s": steps / decode_s if steps > 0 else None,
         "new_tokens": len(new_ids),
         "attended": attended_entries(cache),
+        "rebuilt_spans": None if rebuilt is None else rebuilt - rebuilt_before,
         "peak_memory_bytes": peak_bytes,
         "peak_memory_kind": peak.kind if cache.tp is None else f"{peak.kind}_summed_over_ranks",
         "key": trial.key(),
@@ -752,6 +755,14 @@ def attended_entries(cache: Any) -> float | None:
     entries than they hold (DK-Cache's tiers and retrieved pages); ``None`` for the others."""
     counts = [layer.attended_entries() for layer in cache.layers if hasattr(layer, "attended_entries")]
     return sum(counts) / len(counts) if counts else None
+
+
+def rebuilt_spans(cache: Any) -> int | None:
+    """Passages the method's decode-time state has rebuilt so far (DepthWeave's ``quote`` and ``recall``:
+    stored spans rebuilt exact from their token ids); ``None`` for a method with no such state. A row's
+    ``rebuilt_spans`` counts those rebuilt while its question and answer were fed: whether ``quote`` acted."""
+    state = cache.context.decode_state
+    return None if state is None else getattr(state, "rebuilds", None)
 
 
 def trained_context(model: Any) -> int:

@@ -30,12 +30,14 @@ SPAN = re.compile(r"<!-- fig:(?P<name>[a-z0-9-]+) -->(?P<text>.*?)<!-- /fig -->"
 @dataclasses.dataclass(frozen=True)
 class Headline:
     """One figure: ``rows`` (a JSONL file relative to the repository, or several: the runs of one point, each
-    in its own file), the rows whose ``method`` is ``method``
+    in its own file), the rows whose ``method`` is ``method`` (or one of several strings: one configuration
+    written under another string by an older spec version; each row is read at its own version, and the figure
+    is named as older when one of them does not mean what the first string means today)
     and whose fields equal ``where``, their ``field`` summarised by ``summary`` (``median``, ``min``, ``max``,
     ``range``, ``mean``) and written with ``fmt``; ``scale`` multiplies the value first (bytes -> MiB)."""
 
     rows: str | tuple[str, ...]
-    method: str
+    method: str | tuple[str, ...]
     field: str
     fmt: str
     where: tuple[tuple[str, Any], ...] = ()
@@ -54,9 +56,8 @@ class Headline:
             if not path.exists():
                 raise FileNotFoundError(f"headline rows {name} are missing")
             rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        chosen = [
-            r for r in rows if r.get("method") == self.method and all(r.get(k) == v for k, v in self.where)
-        ]
+        methods = (self.method,) if isinstance(self.method, str) else self.method
+        chosen = [r for r in rows if r.get("method") in methods and all(r.get(k) == v for k, v in self.where)]
         if not chosen:
             raise ValueError(f"no rows of {self.method} {dict(self.where)} in {self.rows}")
         return chosen
@@ -66,7 +67,13 @@ class Headline:
         rows = self.select(root)
         values = [float(r[self.field]) * self.scale for r in rows]
         text = _SUMMARIES[self.summary](values, self.fmt)
-        older = older_configuration(self.method, rows) if self.kvweave_spec else None
+        today, *aliases = (self.method,) if isinstance(self.method, str) else self.method
+        if self.kvweave_spec and aliases:  # another string must be the first one's configuration, not a mix
+            for alias in aliases:
+                written = [r for r in rows if r.get("method") == alias]
+                if older_configuration(today, written) is not None:
+                    raise ValueError(f"rows of {alias} in {self.rows} are not {today}'s configuration today")
+        older = older_configuration(today, rows) if self.kvweave_spec else None
         if older is not None and older == self.named:  # the text names what the rows measured
             return text
         return f"{text} (rows of `{older}`, an older configuration)" if older else text
@@ -87,15 +94,17 @@ _SUMMARIES: dict[str, Callable[[list[float], str], str]] = {
 
 
 def older_configuration(method: str, rows: list[dict[str, Any]]) -> str | None:
-    """The spec the rows measured when it is not what ``method`` means today (their ``spec_version`` predates
-    a default it depends on), else ``None``."""
+    """The spec the rows measured when it is not what ``method`` means today (each row's own method string read at
+    its ``spec_version``: a version that predates a default it depends on, or another configuration's string),
+    else ``None``."""
     from kvweave.registry import parse_method
     from kvweave.report.specs import canonical_spec
 
     today = parse_method(method).spec()
     for row in rows:
         version = row.get("spec_version")
-        then = parse_method(canonical_spec(method, legacy=version is None, version=version)).spec()
+        written = str(row.get("method", method))
+        then = parse_method(canonical_spec(written, legacy=version is None, version=version)).spec()
         if then != today:
             return then
     return None
