@@ -89,28 +89,28 @@ def test_a_figure_over_several_runs_reads_every_file_and_refuses_a_missing_one(t
         Headline(("a.jsonl", "c.jsonl"), "depthweave", "speedup", "{:.2f}x").value(tmp_path)
 
 
-def test_a_figure_over_two_strings_of_one_configuration_reads_each_row_at_its_version(tmp_path):
-    # spec version 8 wrote today's default at ~16x with quote spelled out; version 9 writes it bare
+def test_a_figure_over_two_strings_of_one_configuration_counts_only_the_rows_that_are_it_today(tmp_path):
+    # spec version 8 wrote today's default at ~16x with quote spelled out; version 9 writes it bare. Version 8's
+    # bare string meant quote off: another configuration, left out, as is another string of version 9
     _rows(
         tmp_path,
         [
             {"method": "depthweave:compression=16.0,quote=3,quote_after=16", "spec_version": 8, "score": 0.2},
             {"method": "depthweave:compression=16.0", "spec_version": 9, "score": 0.4},
+            {"method": "depthweave:compression=16.0", "spec_version": 8, "score": 0.7},
             {"method": "depthweave:compression=16.0,quote=0", "spec_version": 9, "score": 0.9},
         ],
     )
     both = ("depthweave:compression=16.0", "depthweave:compression=16.0,quote=3,quote_after=16")
     cell = Headline("rows.jsonl", both, "score", "{:.0f} %", summary="mean", scale=100)
-    assert cell.value(tmp_path) == "30 %"  # both strings' rows, the third (another string) left out
-    # a string that meant something else when its row was written is named, as for one string
-    _rows(tmp_path, [{"method": "depthweave:compression=16.0", "spec_version": 8, "score": 0.4}])
-    assert cell.value(tmp_path) == (
-        "40 % (rows of `depthweave:compression=16.0,quote=0,quote_after=48`, an older configuration)"
+    assert [r["score"] for r in cell.select(tmp_path)] == [0.2, 0.4]
+    assert cell.value(tmp_path) == "30 %"  # no note: every row counted is today's configuration
+    # one string alone keeps its older rows and names them, as before
+    bare = dataclasses.replace(cell, method="depthweave:compression=16.0")
+    assert bare.value(tmp_path) == (
+        "55 % (rows of `depthweave:compression=16.0,quote=0,quote_after=48`, an older configuration)"
     )
-    # a second string that is another configuration today is refused: a figure is one configuration
-    other = dataclasses.replace(
-        cell, method=("depthweave:compression=16.0", "depthweave:compression=16.0,quote=0")
-    )
-    _rows(tmp_path, [{"method": "depthweave:compression=16.0,quote=0", "spec_version": 9, "score": 0.9}])
-    with pytest.raises(ValueError, match="not depthweave:compression=16.0's configuration"):
-        other.value(tmp_path)
+    # none of the rows is today's configuration: no figure
+    _rows(tmp_path, [{"method": "depthweave:compression=16.0", "spec_version": 8, "score": 0.7}])
+    with pytest.raises(ValueError, match="no rows"):
+        cell.value(tmp_path)
