@@ -30,11 +30,13 @@ SPAN = re.compile(r"<!-- fig:(?P<name>[a-z0-9-]+) -->(?P<text>.*?)<!-- /fig -->"
 @dataclasses.dataclass(frozen=True)
 class Headline:
     """One figure: ``rows`` (a JSONL file relative to the repository, or several: the runs of one point, each
-    in its own file), the rows whose ``method`` is ``method`` and whose fields equal ``where``, ``method`` may be
-    several strings: one configuration that spec versions wrote under different strings; then only the rows
-    that, read at their own ``spec_version``, are what the first string means today count (a row of those
-    strings measuring another configuration is left out), their ``field`` summarised by ``summary`` (``median``, ``min``, ``max``,
-    ``range``, ``mean``) and written with ``fmt``; ``scale`` multiplies the value first (bytes -> MiB)."""
+    in its own file), the rows whose ``method`` is ``method`` and whose fields equal ``where``, their ``field``
+    summarised by ``summary`` (``median``, ``min``, ``max``, ``range``, ``mean``) and written with ``fmt``;
+    ``scale`` multiplies the value first (bytes -> MiB).
+
+    ``method`` may be several strings: one configuration that spec versions wrote under different strings. Then
+    only the rows that, read at their own ``spec_version``, are what the first string means today count (a row
+    of those strings that measured another configuration is left out)."""
 
     rows: str | tuple[str, ...]
     method: str | tuple[str, ...]
