@@ -172,14 +172,23 @@ DEFAULT_V8_16 = "depthweave:compression=16.0,quote=0,quote_after=48"
 """:data:`DEFAULT_V8` at ~16x."""
 
 _CODE_8K = ("rec-8k-code", "rec-8k-code-seed1")
+_VALUES_4K = (("dw-pagechoice-4k", "now-values-4k-s1"), ("now-values-4k", "now-values-4k-s1"))
+"""The 4K held-out values' folders (`full`'s, the default's): seed 0's samples and seed 1's (thirty-fifth session)."""
+_PYDOC_4K = ("now-pydoc-4k", "now-pydoc-4k-s1")
 NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...]], ...] = (
     ("mq-4k", "niah_multiquery", 4096, "dw20-mq-4k", "recall-mq-4k"),
     ("mk-4k", "niah_multikey", 4096, "dw20-mk-4k", "recall-mk-4k"),
     ("code-4k", "code", 4096, "dw-code-4k-v4", "recall-code-4k"),
-    ("common-4k", "niah_multiquery_common", 4096, "dw-pagechoice-4k", "now-values-4k"),
-    ("hex-4k", "niah_multivalue_hex", 4096, "dw-pagechoice-4k", "now-values-4k"),
-    ("qa-4k", "niah_multiquery_common", 4096, "dw-pin-qa-4k", "now-qa-4k"),
-    ("pydoc-4k", "niah_multiquery_common", 4096, "dw-pin-pydoc-4k", "now-pydoc-4k"),
+    ("common-4k", "niah_multiquery_common", 4096, _VALUES_4K[0], _VALUES_4K[1]),
+    ("hex-4k", "niah_multivalue_hex", 4096, _VALUES_4K[0], _VALUES_4K[1]),
+    (
+        "qa-4k",
+        "niah_multiquery_common",
+        4096,
+        ("dw-pin-qa-4k", "now-qa-4k-s1"),
+        ("now-qa-4k", "now-qa-4k-s1"),
+    ),
+    ("pydoc-4k", "niah_multiquery_common", 4096, ("dw-pin-pydoc-4k", "now-pydoc-4k-s1"), _PYDOC_4K),
     ("mq-8k", "niah_multiquery", 8192, "recall-8k-mq", "recall-8k-mq"),
     ("common-8k", "niah_multiquery_common", 8192, "records-8k-values", "recall-8k-values"),
     ("hex-8k", "niah_multivalue_hex", 8192, "recall2-8k-hex", "recall2-8k-hex"),
@@ -192,6 +201,15 @@ NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...
 ``qa-8k`` row, whose question is prefilled with its document so ``quote`` cannot act, has the rows of spec version
 8's default, ``depthweave:recall=8``): (name, task, context, `full`'s run folders, the default's); each row's two
 methods ran on the same samples."""
+
+H4_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("common", "niah_multiquery_common", "dw-pagechoice-4k", "now-values-4k", "now-values-4k-s1"),
+    ("hex", "niah_multivalue_hex", "dw-pagechoice-4k", "now-values-4k", "now-values-4k-s1"),
+    ("qa", "niah_multiquery_common", "dw-pin-qa-4k", "now-qa-4k", "now-qa-4k-s1"),
+    ("pydoc", "niah_multiquery_common", "dw-pin-pydoc-4k", "now-pydoc-4k", "now-pydoc-4k-s1"),
+)
+"""The 4K held-out values: (name, task, `full`'s folder for seed 0's samples, the default's, seed 1's folder with
+both and ``depthweave:quote=0``)."""
 
 X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", CANDIDATE),
@@ -840,6 +858,17 @@ HEADLINES: dict[str, Headline] = {
         "compression",
         (("task", "code"), ("context", 8192)),
     ),
+    **{  # the 4K held-out values by sample set (findings, thirty-fifth session)
+        f"h4-{name}-{short}": _cell(_runs(folder), method, "score", (("task", task), ("context", 4096)))
+        for name, task, full0, dw0, seed1 in H4_ROWS
+        for short, folder, method in (
+            ("s0-full", full0, "full"),
+            ("s0-dw", dw0, TODAY),
+            ("s1-full", seed1, "full"),
+            ("s1-dw", seed1, TODAY),
+            *((("s1-q0", seed1, "depthweave:quote=0"),) if name != "qa" else ()),
+        )
+    },
     **{  # the xKV table's compression, over its tasks
         f"x8-{short}-compression": Headline(
             _runs(folders), method, "compression", "{:.1f}x", (("context", 8192),), summary="range"
