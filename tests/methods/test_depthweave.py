@@ -1402,6 +1402,9 @@ def test_quote_sources_finds_runs_that_occurred_once_longest_first():
     assert quote_sources(ids, seen, 3, 5, seen) == [(1, 9)]  # 1 2 3 4 lies before slot 5
     assert quote_sources(ids, seen, 3, 0, 8) == [(2, 5)]  # 5 6 7 ends at slot 8: not wholly inside
     assert quote_sources(ids, len(ids), 3, 0, seen) == []  # no new ids
+    # quote_repeats: a window seen up to `most` times is quoted at each occurrence (8 8 8, twice before)
+    assert quote_sources(ids, seen, 3, 0, seen, most=2) == [(2, 5), (1, 9), (1, 13), (1, 17)]
+    assert quote_sources(ids, seen, 3, 0, seen, most=4) == quote_sources(ids, seen, 3, 0, seen, most=2)
 
 
 def _quote_stream(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1595,6 +1598,28 @@ def test_an_eval_rows_bytes_count_the_quoted_passages_held_during_the_answer(mod
     assert cache.context.decode_state.rebuilds == 1 and not any(layer.recall for layer in cache.layers)
     assert peaks[4] > cache.nbytes() and peaks[4] > peaks[0] > 0
     assert rebuilt_spans(cache) == 1  # what the row's rebuilt_spans counts: quote acted once
+
+
+def test_quote_repeats_rebuilds_each_occurrence_of_a_key_said_several_times(model):
+    """A key said once per value (multi-value needles) three times: by default the question's run of it is no
+    quote (it occurred more than once), with quote_repeats=4 the passage after each occurrence is rebuilt."""
+    torch.manual_seed(2)
+    prompt = torch.randint(3, 140, (1, 300))
+    key = torch.arange(150, 155).view(1, -1)
+    for at in (20, 110, 200):
+        prompt[:, at : at + 5] = key
+    question = torch.cat([torch.randint(3, 140, (1, 4)), key, torch.randint(3, 140, (1, 3))], dim=1)
+    for repeats, spans in ((1, []), (4, [(9, 41), (99, 131), (189, 221)])):  # 16 before to 16 after each
+        cache = kvweave.make_cache(
+            "depthweave", model, quote=3, quote_after=16, quote_repeats=repeats, **SMALL
+        )
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(prompt, **kw)
+            logits = model(question, **kw).logits
+        assert torch.isfinite(logits).all()
+        assert cache.context.decode_state.rebuilds == len(spans)
+        assert cache.layers[0].recall_spans.get(0, []) == spans
 
 
 def test_quote_holds_several_passages_and_hides_only_their_stored_slots(model):

@@ -202,6 +202,10 @@ NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...
 8's default, ``depthweave:recall=8``): (name, task, context, `full`'s run folders, the default's); each row's two
 methods ran on the same samples."""
 
+QUOTE_REPEATS = "depthweave:quote_repeats=4"
+"""``quote`` on runs the document said up to four times (a multi-value needle's key), an option (thirty-fifth
+session)."""
+
 H4_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("common", "niah_multiquery_common", "dw-pagechoice-4k", "now-values-4k", "now-values-4k-s1"),
     ("hex", "niah_multivalue_hex", "dw-pagechoice-4k", "now-values-4k", "now-values-4k-s1"),
@@ -867,6 +871,15 @@ HEADLINES: dict[str, Headline] = {
             ("s1-full", seed1, "full"),
             ("s1-dw", seed1, TODAY),
             *((("s1-q0", seed1, "depthweave:quote=0"),) if name != "qa" else ()),
+            *((("s0-qr", dw0, QUOTE_REPEATS),) if name == "hex" else ()),
+            *((("s1-qr", seed1, QUOTE_REPEATS),) if name in ("hex", "common") else ()),
+        )
+    },
+    **{
+        f"h4-{name}-qr12": _cell(_runs(("now-values-4k", "now-values-4k-s1")), QUOTE_REPEATS, field, where)
+        for name, field, where in (
+            ("hex", "score", (("task", "niah_multivalue_hex"), ("context", 4096))),
+            ("hexx", "compression", (("task", "niah_multivalue_hex"), ("context", 4096))),
         )
     },
     **{  # the xKV table's compression, over its tasks

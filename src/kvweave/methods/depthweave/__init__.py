@@ -58,7 +58,10 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   exactness does not depend on ``protect``'s content rules. A question inside a prompt prefilled whole is no
   such step (``pin_tokens`` covers that case); a prompt fed in chunks of 512 tokens or fewer is a series of
   them, each rebuilding what it repeats of the chunks before. ``quote_context``: the tokens of context each
-  passage is rebuilt with (default 64); ``quote_after``: how far past the quote it reaches (default 48).
+  passage is rebuilt with (default 64); ``quote_after``: how far past the quote it reaches (default 16);
+  ``quote_repeats``: runs said up to that many times count too, each occurrence's passage rebuilt (default 1;
+  4 quotes a multi-value needle's key, said once per value, and measured +6 points there at 4K but a trial
+  lost on multi-query, where the needles share their wording: docs/findings.md, thirty-fifth session).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
@@ -356,6 +359,12 @@ class DepthWeave(Method):
         "with 4-bit passages, 16 before plus this, in whole blocks of 32)",
         tuning=True,
     )
+    quote_repeats: int = option(
+        1,
+        "with quote: a run of the question's ids counts as a quote when it occurred at most N times before, each "
+        "occurrence's passage rebuilt (4 a row in all); a key said once per value (multi-value needles) needs 4",
+        tuning=True,
+    )
     recall_bits: int = option(
         4,
         "with recall: the rebuilt passage held as 4-bit blocks (the middle tier's layout) or at 16 bits",
@@ -445,6 +454,7 @@ class DepthWeave(Method):
         self.check_choice("recall_bits", [16, 4])
         self.check_range("quote_context", 0, 8192)
         self.check_range("quote_after", 1, 512)
+        self.check_range("quote_repeats", 1, 64)
         if self.recall == 1 or self.recall < 0:
             raise ValueError(
                 f"{self.name}: option recall={self.recall!r} is out of range; allowed 0 (off) or 2 and more "

@@ -81,16 +81,20 @@ def copy_source(ids: torch.Tensor, n: int) -> int | None:
     return int(hits[-1]) + n if hits.numel() else None
 
 
-def quote_sources(ids: torch.Tensor, seen: int, n: int, low: int, high: int) -> list[tuple[int, int]]:
+def quote_sources(
+    ids: torch.Tensor, seen: int, n: int, low: int, high: int, most: int = 1
+) -> list[tuple[int, int]]:
     """The quotes of a multi-token step: ``ids: [L]``, the step's ids from slot ``seen`` on. Each run of new
-    windows of ``n`` ids that occurred exactly once in slots ``[low, high)`` (a window wholly inside), as
-    ``(windows in the run, the slot after the last one's earlier occurrence)``, longest runs first."""
+    windows of ``n`` ids that occurred once in slots ``[low, high)`` (a window wholly inside), or up to ``most``
+    times (``quote_repeats``: each occurrence a run of its own), as ``(windows in the run, the slot after the last
+    one's earlier occurrence)``, longest runs first (the earlier occurrence first among runs of one length)."""
     new = ids[seen:]
     steps, count = new.numel() - n + 1, high - low - n + 1
     if steps <= 0 or count <= 0:
         return []
     hits = torch.zeros(steps, dtype=torch.int64)
     where = torch.zeros(steps, dtype=torch.int64)
+    found_at: dict[int, list[int]] = {}  # most > 1: window -> the slots after its earlier occurrences
     for first in range(0, count, WINDOWS):
         width = min(WINDOWS, count - first)
         old = ids[low + first : low + first + width + n - 1]
@@ -100,15 +104,27 @@ def quote_sources(ids: torch.Tensor, seen: int, n: int, low: int, high: int) -> 
         hits += match.sum(0).cpu()
         found = match.any(0).cpu()
         where[found] = low + first + match.int().argmax(0).cpu()[found]
+        if most > 1:  # every occurrence of the windows still rare enough
+            rare = (found & (hits <= most)).nonzero().view(-1)
+            for i, k in match[:, rare.to(match.device)].nonzero().tolist():
+                found_at.setdefault(int(rare[k]), []).append(low + first + i + n)
     runs: list[tuple[int, int]] = []
+    previous: dict[int, int] = {}  # the slot each run of the previous window reached -> its index in ``runs``
     for j in range(steps):
-        if int(hits[j]) != 1:
+        if not 1 <= int(hits[j]) <= most:
+            previous = {}
             continue
-        source = int(where[j]) + n
-        if runs and j > 0 and int(hits[j - 1]) == 1 and runs[-1][1] == source - 1:
-            runs[-1] = (runs[-1][0] + 1, source)  # the quote goes on where the document did
-        else:
-            runs.append((1, source))
+        sources = [int(where[j]) + n] if int(hits[j]) == 1 else sorted(found_at[j])
+        reached = {}
+        for source in sources:
+            k = previous.get(source - 1)
+            if k is None:  # a run starts
+                runs.append((1, source))
+                k = len(runs) - 1
+            else:  # the quote goes on where the document did
+                runs[k] = (runs[k][0] + 1, source)
+            reached[source] = k
+        previous = reached
     return sorted(runs, key=lambda run: -run[0])
 
 
@@ -230,7 +246,8 @@ class Recall:
         exact_from = seen - layers[0].recent_count()
         for b, row in enumerate(self.rows[: ids.shape[0]]):
             pad = int(pads[b]) if pads is not None and b < pads.numel() else 0
-            sources = [src for _, src in quote_sources(ids[b], seen, method.quote, pad, exact_from)]
+            quoted = quote_sources(ids[b], seen, method.quote, pad, exact_from, method.quote_repeats)
+            sources = [src for _, src in quoted]
             spans: list[tuple[int, int]] = []
             for source in sources:
                 if source >= exact_from - BEFORE or inside(spans, source):
