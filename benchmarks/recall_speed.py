@@ -45,8 +45,10 @@ QUESTION = 16
 
 
 def rebuilds(cache: Any) -> int:
-    """Spans recall has rebuilt in ``cache`` so far (0 without recall)."""
-    return int(getattr(cache.context.decode_state, "rebuilds", 0))
+    """Spans recall has rebuilt in ``cache`` so far (0 without recall): the eval rows' count."""
+    from kvweave.eval.runner import rebuilt_spans
+
+    return rebuilt_spans(cache) or 0
 
 
 def prefill(model: Any, spec: str, ids: torch.Tensor, shared: Any) -> tuple[Any, float]:

@@ -165,6 +165,9 @@ TODAY = ("depthweave", CANDIDATE)
 """Today's default under both strings it has been written as (:class:`Headline` counts only the rows of either
 that are today's configuration)."""
 
+TODAY_16 = ("depthweave:compression=16.0", CANDIDATE_16)
+""":data:`TODAY` at ~16x."""
+
 DEFAULT_V8 = "depthweave:quote=0,quote_after=48"
 """Spec version 8's default as read today: the figures of its rows that the text names as such carry no note."""
 
@@ -852,15 +855,11 @@ HEADLINES: dict[str, Headline] = {
             ("full", "full", ("dw-8k-v4-b", "rec-8k-code-seed1")),
             ("dw", CANDIDATE, ("rec-8k-code", "rec-8k-code-seed1")),
             ("xkv", "xkv", ("dw-8k-v4-b", "x8-code-seed1")),
-            # at ~16x: spec version 8 wrote today's configuration as CANDIDATE_16, version 9 writes it bare
-            ("dw16", ("depthweave:compression=16.0", CANDIDATE_16), ("v8-8k", "x8-code-seed1")),
+            ("dw16", TODAY_16, ("v8-8k", "x8-code-seed1")),
         )
     },
     "x8c12-dw16x": _cell(
-        _runs(("v8-8k", "x8-code-seed1")),
-        ("depthweave:compression=16.0", CANDIDATE_16),
-        "compression",
-        (("task", "code"), ("context", 8192)),
+        _runs(("v8-8k", "x8-code-seed1")), TODAY_16, "compression", (("task", "code"), ("context", 8192))
     ),
     **{  # the 4K held-out values by sample set (findings, thirty-fifth session)
         f"h4-{name}-{short}": _cell(_runs(folder), method, "score", (("task", task), ("context", 4096)))
