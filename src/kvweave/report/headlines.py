@@ -218,6 +218,20 @@ H4_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
 """The 4K held-out values: (name, task, `full`'s folder for seed 0's samples, the default's, seed 1's folder with
 both and ``depthweave:quote=0``)."""
 
+SINKS = "depthweave:sinks=64"
+"""Today's default with the prompt's first 64 tokens exact (the system prompt and the task's instruction), an
+option (thirty-sixth session)."""
+
+SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
+    "common-4k": ("sk-values-4k", "sk-values-4k-s1"),
+    "hex-4k": ("sk-values-4k", "sk-values-4k-s1"),
+    "qa-4k": ("sk-qa-4k", "sk-qa-4k-s1"),
+    "pydoc-4k": ("sk-pydoc-4k", "sk-pydoc-4k-s1"),
+    "mq-4k": "sk-mq-4k",
+}
+"""The folders of :data:`SINKS`'s rows on the samples of the README's default table (:data:`NOW_ROWS`), by its
+row names (thirty-sixth session)."""
+
 X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", CANDIDATE),
     ("mq", "niah_multiquery", "dw-8k-v4", "v8-8k", CANDIDATE),
@@ -838,6 +852,15 @@ HEADLINES: dict[str, Headline] = {
             ("dwx", default_runs, TODAY if name != "qa-8k" else "depthweave:recall=8", "compression"),
         )
     },
+    # the prompt's head exact (thirty-sixth session): SINKS on the default table's samples
+    **{
+        f"now-{name}-{short}": _cell(
+            _runs(SINK_FOLDERS[name]), SINKS, field, (("task", task), ("context", context))
+        )
+        for name, task, context, _, _ in NOW_ROWS
+        if name in SINK_FOLDERS
+        for short, field in (("sk", "score"), ("skx", "compression"))
+    },
     # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
     **{
         f"x8-{name}-{short}": _cell(_runs(runs), method, "score", (("task", task), ("context", 8192)))
@@ -872,6 +895,8 @@ HEADLINES: dict[str, Headline] = {
             *((("s1-q0", seed1, "depthweave:quote=0"),) if name != "qa" else ()),
             *((("s0-qr", dw0, QUOTE_REPEATS),) if name == "hex" else ()),
             *((("s1-qr", seed1, QUOTE_REPEATS),) if name in ("hex", "common") else ()),
+            ("s0-sk", SINK_FOLDERS[f"{name}-4k"][0], SINKS),
+            ("s1-sk", SINK_FOLDERS[f"{name}-4k"][1], SINKS),
         )
     },
     **{
@@ -880,6 +905,15 @@ HEADLINES: dict[str, Headline] = {
             ("hex", "score", (("task", "niah_multivalue_hex"), ("context", 4096))),
             ("hexx", "compression", (("task", "niah_multivalue_hex"), ("context", 4096))),
         )
+    },
+    **{  # a 4-bit quantizer on the pydoc haystack's 4K samples, both seeds (thirty-sixth session)
+        f"h4-pydoc-q4{short}": _cell(
+            _runs(("q4-pydoc-4k", "q4-pydoc-4k-s1")),
+            "quant",  # bits=4 is quant's default, written as "quant"
+            field,
+            (("task", "niah_multiquery_common"), ("context", 4096)),
+        )
+        for short, field in (("", "score"), ("x", "compression"))
     },
     **{  # the xKV table's compression, over its tasks
         f"x8-{short}-compression": Headline(
