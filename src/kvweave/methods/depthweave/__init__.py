@@ -246,7 +246,12 @@ class DepthWeave(Method):
         False, "token-adaptive buckets, exact rows and eviction (False: uniform rank, sinks exact)"
     )
     window: int = option(32, "last prompt queries whose attention the router reads", tuning=True)
-    sinks: int = option(4, "first tokens kept exact (attention sinks)", tuning=True)
+    sinks: int = option(
+        4,
+        "first tokens kept exact (attention sinks); 64 also keeps a chat prompt's system prompt and instruction "
+        "exact, which the answer's format reads (docs/findings.md, thirty-sixth session)",
+        tuning=True,
+    )
     residuals: bool = option(True, "keep exact residual rows (router top tokens and sinks)", tuning=True)
     residual_tokens: float = option(0.02, "fraction of tokens kept as exact residual rows", tuning=True)
     protect: float = option(
