@@ -37,7 +37,7 @@ from kvweave.eval.runner import EvalConfig, build_prompt, plan, rebuilt_spans
 
 def follow(
     model: Any, cache: Any, prefill: list[int], rest: list[int], forced: list[int] | None, n: int
-) -> dict:
+) -> dict[str, list[Any]]:
     """Prefill ``prefill``, feed ``rest`` as one step, then ``n`` decode steps: greedy (``forced=None``) or fed
     ``forced``; the argmax at each step and the log-probability of the token fed next."""
     kw = cache_kwarg(model)

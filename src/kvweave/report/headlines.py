@@ -228,6 +228,8 @@ SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
     "qa-4k": ("sk-qa-4k", "sk-qa-4k-s1"),
     "pydoc-4k": ("sk-pydoc-4k", "sk-pydoc-4k-s1"),
     "mq-4k": "sk-mq-4k",
+    "mk-4k": "sk-mk-4k",
+    "code-4k": "sk-code-4k",
 }
 """The folders of :data:`SINKS`'s rows on the samples of the README's default table (:data:`NOW_ROWS`), by its
 row names (thirty-sixth session)."""
