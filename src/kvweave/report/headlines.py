@@ -230,6 +230,8 @@ SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
     "mq-4k": "sk-mq-4k",
     "mk-4k": "sk-mk-4k",
     "code-4k": "sk-code-4k",
+    "common-8k": "sk-values-8k",
+    "hex-8k": "sk-values-8k",
 }
 """The folders of :data:`SINKS`'s rows on the samples of the README's default table (:data:`NOW_ROWS`), by its
 row names (thirty-sixth session)."""
