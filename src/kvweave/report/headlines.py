@@ -232,6 +232,8 @@ SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
     "code-4k": "sk-code-4k",
     "common-8k": "sk-values-8k",
     "hex-8k": "sk-values-8k",
+    "qa-8k": "sk-qa-8k",
+    "pydoc-8k": "sk-pydoc-8k",
 }
 """The folders of :data:`SINKS`'s rows on the samples of the README's default table (:data:`NOW_ROWS`), by its
 row names (thirty-sixth session)."""
