@@ -7,14 +7,20 @@ build says so on stderr and how long it took.
 
 A kernel that cannot be built (no compiler, no ninja, ``KVWEAVE_NO_CPP=1``) is reported, not fatal: callers
 use their torch reference path, and say which one ran.
+
+Builds of one kernel are serialised by :func:`exclusive` (an ``flock`` the kernel drops when its holder dies), so
+torch's own build lock (a ``lock`` file it deletes when done) found inside that lock can only be one a killed build
+left behind: it is removed with a warning instead of torch waiting on it forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,42 @@ def build_folder(name: str) -> Path:
 
     version = f"torch-{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
     return kvweave_home() / "kernels" / version / name
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path) -> Iterator[None]:
+    """Hold the build lock of the kernel built in ``folder`` (``<folder>.build-lock``, an ``flock``).
+
+    Says on stderr when another process holds it (its build is waited for); once held, a torch ``lock`` file left
+    in ``folder`` by a build that was killed is removed with a warning (torch would otherwise wait on it forever,
+    silently). Without ``fcntl`` (non-POSIX) it only yields."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.build-lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                f"kvweave: waiting for another process building the C++ kernel {folder.name} in {folder}...",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                warnings.warn(
+                    f"kvweave: removing {stale}, left by a build of {folder.name} that was interrupted",
+                    stacklevel=3,
+                )
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def build(
@@ -59,15 +101,16 @@ def build(
                 flush=True,
             )
         start = time.perf_counter()
-        module = cpp_extension.load_inline(
-            name=name,
-            cpp_sources=[declarations, source.replace("#include <torch/extension.h>", "")],
-            functions=functions,
-            extra_cflags=["-O3", "-march=native", "-fopenmp" if openmp else "-fopenmp-simd"],
-            extra_ldflags=["-fopenmp"] if openmp else [],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with exclusive(folder):
+            module = cpp_extension.load_inline(
+                name=name,
+                cpp_sources=[declarations, source.replace("#include <torch/extension.h>", "")],
+                functions=functions,
+                extra_cflags=["-O3", "-march=native", "-fopenmp" if openmp else "-fopenmp-simd"],
+                extra_ldflags=["-fopenmp"] if openmp else [],
+                build_directory=str(folder),
+                verbose=False,
+            )
         seconds = time.perf_counter() - start
         if fresh or seconds > 5:  # a first build, or a rebuild after the source changed
             print(f"kvweave: C++ kernel {name} ready ({seconds:.0f} s)", file=sys.stderr, flush=True)
