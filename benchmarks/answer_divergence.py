@@ -8,7 +8,10 @@ then fed `full`'s answer one decode step at a time. One JSON line per (trial, me
 - ``diverge``: the first answer token where the method's own argmax differs from `full`'s (``null``: none in
   ``--tokens``), with ``text_before`` (the answer so far), ``wanted`` and ``got`` (the two tokens);
 - ``logp_sum`` / ``logp_min``: log-probabilities the method gives `full`'s tokens (0 = it agrees surely);
-- ``rebuilt_spans``: passages the method rebuilt while the question and answer were fed (DepthWeave).
+- ``rebuilt_spans``: passages the method rebuilt while the question and answer were fed (DepthWeave);
+- ``full_margin_at_diverge``: how far `full` itself put its token above its runner-up there (log-probability gap;
+  near 0: a coin flip any perturbation turns), and ``full_margin_min`` / ``full_margin_where``: `full`'s smallest
+  gap over the whole answer and where it is.
 
 It tells which part of a configuration moves the answer (e.g. a list written as ``1. **word**: prose…`` instead
 of ``1. word``): compare a method with one option changed at a time. Not a test: its output is summarised in
@@ -39,19 +42,24 @@ def follow(
     model: Any, cache: Any, prefill: list[int], rest: list[int], forced: list[int] | None, n: int
 ) -> dict[str, list[Any]]:
     """Prefill ``prefill``, feed ``rest`` as one step, then ``n`` decode steps: greedy (``forced=None``) or fed
-    ``forced``; the argmax at each step and the log-probability of the token fed next."""
+    ``forced``; the argmax at each step, the log-probability of the token fed next and the gap between the top two
+    log-probabilities (``margin``)."""
     kw = cache_kwarg(model)
     argmax: list[int] = []
     logp: list[float] = []
+    margin: list[float] = []
     with torch.no_grad():
         model(torch.tensor([prefill]), **{kw: cache}, use_cache=True, logits_to_keep=1)
         logits = model(torch.tensor([rest]), **{kw: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
         for i in range(n):
             argmax.append(int(logits.argmax()))
             fed = argmax[-1] if forced is None else forced[i]
-            logp.append(float(torch.log_softmax(logits.float(), -1)[fed]))
+            scores = torch.log_softmax(logits.float(), -1)
+            logp.append(float(scores[fed]))
+            top = scores.topk(2).values
+            margin.append(float(top[0] - top[1]))
             logits = model(torch.tensor([[fed]]), **{kw: cache}, use_cache=True).logits[0, -1]
-    return {"argmax": argmax, "logp": logp}
+    return {"argmax": argmax, "logp": logp, "margin": margin}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         sample = config.sample(trial, tokenizer)
         prefill, full = build_prompt(tokenizer, sample, args.question_aware)
         rest = full[len(prefill) :]
-        ref = follow(model, kvweave.make_cache("full", model), prefill, rest, None, args.tokens)["argmax"]
+        answer = follow(model, kvweave.make_cache("full", model), prefill, rest, None, args.tokens)
+        ref, margins = answer["argmax"], answer["margin"]
+        narrowest = min(range(len(margins)), key=margins.__getitem__)
         print(f"trial {trial.trial}: full answers {tokenizer.decode(ref)!r}", flush=True)
         for spec in methods:
             start = time.perf_counter()
@@ -128,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 "logp_sum": round(sum(got["logp"]), 3),
                 "logp_min": round(min(got["logp"]), 3),
                 "rebuilt_spans": rebuilt_spans(cache),
+                "full_margin_at_diverge": None if div is None else round(margins[div], 3),
+                "full_margin_min": round(margins[narrowest], 3),
+                "full_margin_where": narrowest,
                 "reference": tokenizer.decode(ref),
             }
             with args.out.open("a") as f:

@@ -25,6 +25,11 @@ def test_follow_greedy_matches_generate_and_forcing_reads_the_reference(llama) -
     forced = div.follow(llama, kvweave.make_cache("full", llama), prefill, rest, other, 6)
     assert forced["argmax"][0] == greedy["argmax"][0]  # the first step sees no forced token yet
     assert forced["logp"][0] < greedy["logp"][0]  # the same logits, a token that is not their argmax
+    # the margin is the gap between the top two log-probabilities: never negative, and the argmax's log-probability
+    # minus the margin is the runner-up's, which a forced non-argmax token cannot exceed
+    assert all(m >= 0 for m in greedy["margin"])
+    assert forced["margin"][0] == pytest.approx(greedy["margin"][0], abs=1e-5)
+    assert forced["logp"][0] <= greedy["logp"][0] - greedy["margin"][0] + 1e-5
 
 
 @pytest.mark.parametrize(
