@@ -193,8 +193,20 @@ NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...
     ),
     ("pydoc-4k", "niah_multiquery_common", 4096, ("dw-pin-pydoc-4k", "now-pydoc-4k-s1"), _PYDOC_4K),
     ("mq-8k", "niah_multiquery", 8192, "recall-8k-mq", "recall-8k-mq"),
-    ("common-8k", "niah_multiquery_common", 8192, "records-8k-values", "recall-8k-values"),
-    ("hex-8k", "niah_multivalue_hex", 8192, "recall2-8k-hex", "recall2-8k-hex"),
+    (
+        "common-8k",
+        "niah_multiquery_common",
+        8192,
+        ("records-8k-values", "now-values-8k-s1"),
+        ("recall-8k-values", "now-values-8k-s1"),
+    ),
+    (
+        "hex-8k",
+        "niah_multivalue_hex",
+        8192,
+        ("recall2-8k-hex", "now-values-8k-s1"),
+        ("recall2-8k-hex", "now-values-8k-s1"),
+    ),
     ("qa-8k", "niah_multiquery_common", 8192, "recall-8k-qa", "recall-8k-qa"),
     ("pydoc-8k", "niah_multiquery_common", 8192, "recall-8k-pydoc", "recall-8k-pydoc"),
     ("code-8k", "code", 8192, _CODE_8K, _CODE_8K),
@@ -230,8 +242,8 @@ SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
     "mq-4k": "sk-mq-4k",
     "mk-4k": "sk-mk-4k",
     "code-4k": "sk-code-4k",
-    "common-8k": "sk-values-8k",
-    "hex-8k": "sk-values-8k",
+    "common-8k": ("sk-values-8k", "now-values-8k-s1"),
+    "hex-8k": ("sk-values-8k", "now-values-8k-s1"),
     "qa-8k": "sk-qa-8k",
     "pydoc-8k": "sk-pydoc-8k",
 }
@@ -279,9 +291,16 @@ QUOTE_ROWS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
 """``depthweave:quote=3`` beside `full` and today's default on the same samples (thirty-first session): (name,
 task, run folder at 8K, (short, method) pairs)."""
 
+
+def _seed0(folders: str | tuple[str, ...]) -> str:
+    """The first of a row's run folders (seed 0's samples): the tables of the thirty-second and thirty-third
+    sessions ran there only, before :data:`NOW_ROWS` gained seed 1's 8K folders."""
+    return folders if isinstance(folders, str) else folders[0]
+
+
 Q9_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...], str], ...] = (
     *(
-        (name, task, context, full, dw, "depthweave:recall=8")
+        (name, task, context, _seed0(full), _seed0(dw), "depthweave:recall=8")
         for name, task, context, full, dw in NOW_ROWS
         if name in ("mq-8k", "common-8k", "hex-8k", "pydoc-8k")
     ),
