@@ -208,7 +208,13 @@ NOW_ROWS: tuple[tuple[str, str, int, str | tuple[str, ...], str | tuple[str, ...
         ("recall2-8k-hex", "now-values-8k-s1"),
     ),
     ("qa-8k", "niah_multiquery_common", 8192, "recall-8k-qa", "recall-8k-qa"),
-    ("pydoc-8k", "niah_multiquery_common", 8192, "recall-8k-pydoc", "recall-8k-pydoc"),
+    (
+        "pydoc-8k",
+        "niah_multiquery_common",
+        8192,
+        ("recall-8k-pydoc", "now-pydoc-8k-s1"),
+        ("recall-8k-pydoc", "now-pydoc-8k-s1"),
+    ),
     ("code-8k", "code", 8192, _CODE_8K, _CODE_8K),
 )
 """The README's table of DepthWeave's default (rows written as ``depthweave`` since spec version 9 or as
@@ -245,7 +251,7 @@ SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
     "common-8k": ("sk-values-8k", "now-values-8k-s1"),
     "hex-8k": ("sk-values-8k", "now-values-8k-s1"),
     "qa-8k": "sk-qa-8k",
-    "pydoc-8k": "sk-pydoc-8k",
+    "pydoc-8k": ("sk-pydoc-8k", "now-pydoc-8k-s1"),
 }
 """The folders of :data:`SINKS`'s rows on the samples of the README's default table (:data:`NOW_ROWS`), by its
 row names (thirty-sixth session)."""
