@@ -338,8 +338,9 @@ def list_models() -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock on ``path`` (no-op where fcntl is unavailable)."""
+def file_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
+    """Exclusive advisory lock on ``path`` (``flock``: dropped by the kernel if its holder dies; no-op where fcntl
+    is unavailable). ``waiting``: said on stderr when another process holds it."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - non-POSIX
@@ -347,7 +348,12 @@ def _file_lock(path: Path) -> Iterator[None]:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -444,7 +450,7 @@ def pull(name: str, progress: bool = True) -> Path:
         return final
     root = models_dir()
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{spec.name}.lock"):
+    with file_lock(root / f".{spec.name}.lock"):
         if _is_converted(spec, final):  # another process finished while we waited
             return final
         _install_missing(spec)

@@ -47,34 +47,20 @@ def exclusive(folder: Path) -> Iterator[None]:
 
     Says on stderr when another process holds it (its build is waited for); once held, a torch ``lock`` file left
     in ``folder`` by a build that was killed is removed with a warning (torch would otherwise wait on it forever,
-    silently). Without ``fcntl`` (non-POSIX) it only yields."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
+    silently). The lock is :func:`kvweave.models.file_lock`'s, the one model pulls take."""
+    from kvweave.models import file_lock
+
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f"{folder.name}.build-lock", "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(
-                f"kvweave: waiting for another process building the C++ kernel {folder.name} in {folder}...",
-                file=sys.stderr,
-                flush=True,
+    waiting = f"kvweave: waiting for another process building the C++ kernel {folder.name} in {folder}..."
+    with file_lock(folder.parent / f"{folder.name}.build-lock", waiting):
+        stale = folder / "lock"
+        if stale.exists():
+            warnings.warn(
+                f"kvweave: removing {stale}, left by a build of {folder.name} that was interrupted",
+                stacklevel=3,
             )
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            stale = folder / "lock"
-            if stale.exists():
-                warnings.warn(
-                    f"kvweave: removing {stale}, left by a build of {folder.name} that was interrupted",
-                    stacklevel=3,
-                )
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def build(
