@@ -1489,6 +1489,48 @@ def test_quote_context_rebuilds_a_far_passage_with_its_whole_context(model):
         kvweave.make_cache("depthweave", model, quote=3, quote_context=-1)
 
 
+def test_quote_over_cache_rebuilds_a_far_passage_over_what_the_cache_holds(model):
+    """``quote_over=cache``: a passage quoted far into the prompt is rebuilt by running its ids over the
+    compressed cache's own keys and values of everything before it. Over a store that holds them exactly, the
+    rebuilt keys and values are full's (64 tokens of context from the ids are not); over an 8x store they are no
+    further from full's than the store itself is; an unknown choice is refused."""
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 140, (1, 400))
+    key = torch.arange(150, 156).view(1, -1)
+    prompt[:, 300:306] = key
+    question = torch.cat([torch.randint(3, 140, (1, 5)), key], dim=1)
+    reference = _reference_kv(model, torch.cat([prompt, question], dim=1))
+
+    def rebuilt_error(**options) -> tuple[float, float]:
+        cache = kvweave.make_cache(
+            "depthweave", model, recall=0, quote=4, recall_bits=16, **{**SMALL, **options}
+        )
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            model(prompt, **kw)
+            held = relative_kv_error(
+                cache, reference
+            )  # the store before the question (the passage not held yet)
+            model(question, **kw)
+        assert cache.context.decode_state.rebuilds == 1
+        worst = 0.0
+        for layer, (exact_k, exact_v) in enumerate(reference):
+            keys, values, slots = cache.layers[layer].recall[0]
+            assert slots[0] <= 300 and slots[-1] >= 305  # the quoted key's passage
+            for got, want in ((keys, exact_k[:, slots]), (values, exact_v[:, slots])):
+                worst = max(worst, float((got.float() - want).norm() / want.norm()))
+        return worst, held
+
+    exact_over, _ = rebuilt_error(quote_over="cache", **EXACT_STORE)
+    exact_ids, _ = rebuilt_error(quote_over="ids", **EXACT_STORE)
+    assert exact_over < 2e-3 < exact_ids
+    lossy_over, store_error = rebuilt_error(quote_over="cache", rank=2)
+    assert store_error > 0.05  # the store is lossy
+    assert lossy_over < store_error
+    with pytest.raises(ValueError, match="quote_over"):
+        kvweave.make_cache("depthweave", model, quote_over="prompt")
+
+
 def test_quote_acts_on_a_loaded_cache_as_on_the_one_saved(model, tmp_path):
     """A prompt's cache saved and loaded (the saved-prefix path): the question fed after it rebuilds the passage
     it quotes from the saved ids, as the cache never saved does, with the same logits and bytes."""

@@ -358,6 +358,13 @@ class DepthWeave(Method):
         "closer to the document's, a longer question step)",
         tuning=True,
     )
+    quote_over: str = option(
+        "ids",
+        "with quote: what each quoted passage is rebuilt over: ids (quote_context tokens of its ids run from no "
+        "cache) or cache (the passage's ids run over the compressed cache's own keys and values of everything "
+        "before it, materialised for the question step: a full cache's bytes of the row, for a moment)",
+        tuning=True,
+    )
     quote_after: int = option(
         16,
         "with quote: tokens each quoted passage reaches past the quote (the value a question asks for follows it; "
@@ -459,6 +466,7 @@ class DepthWeave(Method):
         self.check_choice("recall_bits", [16, 4])
         self.check_range("quote_context", 0, 8192)
         self.check_range("quote_after", 1, 512)
+        self.check_choice("quote_over", ["ids", "cache"])
         self.check_range("quote_repeats", 1, 64)
         if self.recall == 1 or self.recall < 0:
             raise ValueError(

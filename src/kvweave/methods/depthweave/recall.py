@@ -26,7 +26,10 @@ question names a fact by words of the document (the key of a needle, a function'
 copies follows it, whatever it looks like. Each quoted passage is rebuilt with ``quote_context`` tokens of
 context before it (default :data:`CONTEXT`) and reaches ``quote_after`` tokens past the quote (default 16: with
 4-bit passages one 32-token block; a passage reaching further, e.g. :data:`AFTER` as before spec version 9, pulls
-an answer listing several values toward the passage's own text). The state here (the spans held) is never saved:
+an answer listing several values toward the passage's own text). With ``quote_over=cache`` a quoted passage is
+rebuilt over the compressed cache instead (:meth:`Recall.rebuild_over_cache`): its ids run at their positions
+over what every layer holds for the slots before it, materialised once a question (``held_kv``), so it sees its
+whole (compressed) context rather than ``quote_context`` tokens of ids from no cache. The state here (the spans held) is never saved:
 a loaded cache matches from its saved ids.
 """
 
@@ -267,9 +270,57 @@ class Recall:
             if not spans:
                 continue
             spans.sort()
-            self.rebuild(cache, decoder, layers, b, pad, spans, method.quote_context)
+            if method.quote_over == "cache":
+                self.rebuild_over_cache(cache, decoder, layers, b, pad, spans)
+            else:
+                self.rebuild(cache, decoder, layers, b, pad, spans, method.quote_context)
             self.rebuilds += len(spans)
             row.spans, row.until = spans, ids.shape[-1] + FRESH
+
+    @staticmethod
+    def rebuild_over_cache(
+        cache: KVCache, decoder: Any, layers: list[Any], row: int, pad: int, spans: list[tuple[int, int]]
+    ) -> None:
+        """Per span ``[start, stop)``: run ``decoder`` over row ``row``'s ids of the span at their positions, over
+        a cache of what the compressed layers hold for the slots before ``start`` (their own keys and values,
+        materialised once for all spans in the model's dtype: for a moment, the bytes of a full cache of the row);
+        hand each layer its keys and values of the spans."""
+        from transformers import DynamicCache
+
+        from kvweave._compat import cache_kwarg
+
+        ids = cache.context.prompt_ids
+        assert ids is not None
+        ids = ids.view(1, -1) if ids.dim() == 1 else ids
+        if len(layers) != len(cache.layers):
+            raise ValueError("quote_over=cache needs every layer of the cache to be DepthWeave's")
+        dtype = next(decoder.parameters()).dtype
+        prior = []
+        for layer in layers:
+            k, v, slots = layer.held_kv(row)
+            order = slots.argsort()
+            prior.append((k[:, order].to(dtype), v[:, order].to(dtype), slots[order]))
+        held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer.layer_idx: [] for layer in layers}
+        for start, stop in spans:
+            rebuilt = DynamicCache(config=decoder.config)
+            for layer, (k, v, slots) in zip(layers, prior, strict=True):
+                keep = (slots >= pad) & (slots < start)
+                rebuilt.update(k[:, keep][None], v[:, keep][None], layer.layer_idx)
+            segment = ids[row : row + 1, start:stop].to(layers[0].device, torch.int64)
+            positions = torch.arange(start - pad, stop - pad, device=segment.device).view(1, -1)
+            with torch.no_grad():
+                decoder(
+                    input_ids=segment,
+                    position_ids=positions,
+                    use_cache=True,
+                    **{cache_kwarg(decoder): rebuilt},
+                )
+            for layer in layers:
+                kv = rebuilt.layers[layer.layer_idx]
+                held[layer.layer_idx].append(
+                    (kv.keys[:, :, -(stop - start) :], kv.values[:, :, -(stop - start) :])
+                )
+        Recall.hand(layers, row, spans, held)
 
     @staticmethod
     def rebuild(
@@ -309,6 +360,16 @@ class Recall:
                 held[layer.layer_idx].append(
                     (kv.keys[:, :, start - first :], kv.values[:, :, start - first :])
                 )
+        Recall.hand(layers, row, spans, held)
+
+    @staticmethod
+    def hand(
+        layers: list[Any],
+        row: int,
+        spans: list[tuple[int, int]],
+        held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> None:
+        """Hand each layer its rebuilt keys and values of ``spans`` (one after another) and the spans."""
         slots = torch.cat([torch.arange(start, stop) for start, stop in spans]).to(layers[0].device)
         for layer in layers:
             parts = held[layer.layer_idx]
