@@ -48,8 +48,8 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   count while held, the ids (4 bytes a position) always (:mod:`kvweave.methods.depthweave.recall`).
   Transformers paths only: vLLM's ``depthweave`` sees no ids. Under tensor parallelism every rank matches the
   same ids and rebuilds the same spans, each its own heads (``tests/engines/test_tensor_parallel.py``).
-- ``quote=N`` (off by default; docs/findings.md, thirty-first and thirty-second sessions: it finds word values the
-  default loses and loses values of lists the default finds): a question fed after its document (a
+- ``quote=N`` (default 3 since spec version 9; docs/findings.md, thirty-first to thirty-fourth sessions: it
+  finds word values the default loses): a question fed after its document (a
   multi-token step of at most 512 tokens over the compressed cache) rebuilds, the same way, the passages around
   what it quotes — each run of ``N`` or more of its ids that occurred exactly once in the compressed part, up to
   four passages a row, longest runs first — and that step and the decode steps after it attend to them, held
@@ -61,7 +61,10 @@ What it stores, for each group of ``group`` adjacent full-attention layers and e
   passage is rebuilt with (default 64); ``quote_after``: how far past the quote it reaches (default 16);
   ``quote_repeats``: runs said up to that many times count too, each occurrence's passage rebuilt (default 1;
   4 quotes a multi-value needle's key, said once per value, and measured +6 points there at 4K but a trial
-  lost on multi-query, where the needles share their wording: docs/findings.md, thirty-fifth session).
+  lost on multi-query, where the needles share their wording: docs/findings.md, thirty-fifth session);
+  ``quote_over``: ``ids`` (default) rebuilds each passage from ``quote_context`` tokens of its ids run from no
+  cache, ``cache`` runs its ids over the compressed cache's own keys and values of everything before it (the
+  passage then sees its whole context as the cache holds it: docs/findings.md, thirty-eighth session).
 - Decoding: new tokens stay exact in a recent buffer; at ``recent + block`` tokens the oldest are folded in
   (projected onto the basis). The current queries probe the folded chunk; an error above ``drift`` x the
   group's reference refreshes the basis (top directions of the stored reconstruction plus the new chunk;
