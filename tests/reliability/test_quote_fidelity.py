@@ -10,7 +10,9 @@ from transformers import DynamicCache
 import kvweave
 from kvweave._compat import cache_kwarg
 
-SMALL = dict(recent=8, block=8, probe=8, window=8, sinks=2, router=True, bits=16, weighting=0.0, recall_bits=16)
+SMALL = dict(
+    recent=8, block=8, probe=8, window=8, sinks=2, router=True, bits=16, weighting=0.0, recall_bits=16
+)
 EXACT_STORE = dict(router=False, residuals=False, probes=False, rank=4096, storage="model")
 
 

@@ -256,6 +256,35 @@ SINK_FOLDERS: dict[str, str | tuple[str, ...]] = {
 """The folders of :data:`SINKS`'s rows on the samples of the README's default table (:data:`NOW_ROWS`), by its
 row names (thirty-sixth session)."""
 
+OVER = "depthweave:quote_over=cache"
+"""Today's default with each quoted passage rebuilt over the compressed cache instead of 64 tokens of its ids, an
+option (thirty-eighth session)."""
+
+OVER_ROWS: tuple[tuple[str, str, int, tuple[tuple[int, str, str | tuple[str, ...]], ...]], ...] = (
+    (
+        "common-4k",
+        "niah_multiquery_common",
+        4096,
+        ((0, "ov-values-4k", "now-values-4k"), (1, "ov-values-4k-s1", "now-values-4k-s1")),
+    ),
+    (
+        "hex-4k",
+        "niah_multivalue_hex",
+        4096,
+        ((0, "ov-values-4k", "now-values-4k"), (1, "ov-values-4k-s1", "now-values-4k-s1")),
+    ),
+    (
+        "pydoc-4k",
+        "niah_multiquery_common",
+        4096,
+        ((0, "ov-pydoc-4k", "now-pydoc-4k"), (1, "ov-pydoc-4k-s1", "now-pydoc-4k-s1")),
+    ),
+    ("common-8k", "niah_multiquery_common", 8192, ((1, "ov-values-8k-s1", "now-values-8k-s1"),)),
+    ("hex-8k", "niah_multivalue_hex", 8192, ((1, "ov-values-8k-s1", "now-values-8k-s1"),)),
+)
+""":data:`OVER` beside `full` and the default on the samples of the README's held-out rows: (name, task, context,
+per seed (seed, the folder of `full`'s and :data:`OVER`'s rows, the default's folder))."""
+
 X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", CANDIDATE),
     ("mq", "niah_multiquery", "dw-8k-v4", "v8-8k", CANDIDATE),
@@ -891,6 +920,36 @@ HEADLINES: dict[str, Headline] = {
         for name, task, context, _, _ in NOW_ROWS
         if name in SINK_FOLDERS
         for short, field in (("sk", "score"), ("skx", "compression"))
+    },
+    # quoted passages rebuilt over the compressed cache (thirty-eighth session), per seed and over both
+    **{
+        f"ov-{name}-s{seed}-{short}": _cell(
+            _runs(runs), method, field, (("task", task), ("context", context))
+        )
+        for name, task, context, seeds in OVER_ROWS
+        for seed, folder, default in seeds
+        if seed == 1  # the findings' table of seed 1's samples (seed 0's count in the 12-trial figures)
+        for short, runs, method, field in (
+            ("full", folder, "full", "score"),
+            ("dw", default, TODAY, "score"),
+            ("ov", folder, OVER, "score"),
+        )
+    },
+    **{
+        f"ov-{name}-{short}": _cell(
+            _runs(tuple(str(entry[column]) for entry in seeds)),
+            method,
+            field,
+            (("task", task), ("context", context)),
+        )
+        for name, task, context, seeds in OVER_ROWS
+        if len(seeds) > 1
+        for short, column, method, field in (
+            ("full", 1, "full", "score"),
+            ("dw", 2, TODAY, "score"),
+            ("ov", 1, OVER, "score"),
+            ("ovx", 1, OVER, "compression"),
+        )
     },
     # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
     **{
