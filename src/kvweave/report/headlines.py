@@ -281,6 +281,7 @@ OVER_ROWS: tuple[tuple[str, str, int, tuple[tuple[int, str, str | tuple[str, ...
     ),
     ("common-8k", "niah_multiquery_common", 8192, ((1, "ov-values-8k-s1", "now-values-8k-s1"),)),
     ("hex-8k", "niah_multivalue_hex", 8192, ((1, "ov-values-8k-s1", "now-values-8k-s1"),)),
+    ("pydoc-8k", "niah_multiquery_common", 8192, ((1, "ov-pydoc-8k-s1", "now-pydoc-8k-s1"),)),
 )
 """:data:`OVER` beside `full` and the default on the samples of the README's held-out rows: (name, task, context,
 per seed (seed, the folder of `full`'s and :data:`OVER`'s rows, the default's folder))."""
