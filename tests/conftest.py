@@ -71,6 +71,17 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
+def far_quote_stream() -> tuple[torch.Tensor, torch.Tensor]:
+    """A 400-id prompt (seeded) with a key said once at slots 300-305, and a 5-id question ending in the key:
+    what ``quote`` rebuilds a far passage for."""
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 140, (1, 400))
+    key = torch.arange(150, 156).view(1, -1)
+    prompt[:, 300:306] = key
+    question = torch.cat([torch.randint(3, 140, (1, 5)), key], dim=1)
+    return prompt, question
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import kvweave
-from conftest import tiny_model
+from conftest import far_quote_stream, tiny_model
 from kvweave._compat import cache_kwarg
 from kvweave.methods.depthweave import percentile
 from kvweave.ops.lowrank import top_basis
@@ -1464,11 +1464,7 @@ def test_quote_rebuilds_the_passage_a_question_quotes_exactly_where_its_context_
 def test_quote_context_rebuilds_a_far_passage_with_its_whole_context(model):
     """A key quoted far into the prompt: with ``quote_context`` reaching the prompt's start the rebuilt keys and
     values are full's; with the default 64 tokens of context they are not (what the option is for)."""
-    torch.manual_seed(3)
-    prompt = torch.randint(3, 140, (1, 400))
-    key = torch.arange(150, 156).view(1, -1)
-    prompt[:, 300:306] = key
-    question = torch.cat([torch.randint(3, 140, (1, 5)), key], dim=1)
+    prompt, question = far_quote_stream()
     reference = _reference_kv(model, torch.cat([prompt, question], dim=1))
     errors = {}
     for context in (64, 400):
@@ -1494,11 +1490,7 @@ def test_quote_over_cache_rebuilds_a_far_passage_over_what_the_cache_holds(model
     compressed cache's own keys and values of everything before it. Over a store that holds them exactly, the
     rebuilt keys and values are full's (64 tokens of context from the ids are not); over an 8x store they are no
     further from full's than the store itself is; an unknown choice is refused."""
-    torch.manual_seed(3)
-    prompt = torch.randint(3, 140, (1, 400))
-    key = torch.arange(150, 156).view(1, -1)
-    prompt[:, 300:306] = key
-    question = torch.cat([torch.randint(3, 140, (1, 5)), key], dim=1)
+    prompt, question = far_quote_stream()
     reference = _reference_kv(model, torch.cat([prompt, question], dim=1))
 
     def rebuilt_error(**options) -> tuple[float, float]:

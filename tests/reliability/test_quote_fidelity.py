@@ -8,6 +8,7 @@ from test_soak_copy import script
 from transformers import DynamicCache
 
 import kvweave
+from conftest import far_quote_stream
 from kvweave._compat import cache_kwarg
 
 SMALL = dict(
@@ -19,11 +20,7 @@ EXACT_STORE = dict(router=False, residuals=False, probes=False, rank=4096, stora
 def _errors(llama, **options):
     """A 400-id prompt with a key said once at slots 300-305, then a question quoting it: ``errors``'s row."""
     fidelity = script("quote_fidelity")
-    torch.manual_seed(3)
-    prompt = torch.randint(3, 140, (1, 400))
-    key = torch.arange(150, 156).view(1, -1)
-    prompt[:, 300:306] = key
-    question = torch.cat([torch.randint(3, 140, (1, 5)), key], dim=1)
+    prompt, question = far_quote_stream()
     full = DynamicCache(config=llama.config)
     with torch.no_grad():
         llama(prompt, **{cache_kwarg(llama): full})

@@ -287,8 +287,6 @@ class Recall:
         hand each layer its keys and values of the spans."""
         from transformers import DynamicCache
 
-        from kvweave._compat import cache_kwarg
-
         ids = cache.context.prompt_ids
         assert ids is not None
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
@@ -306,20 +304,7 @@ class Recall:
             for layer, (k, v, slots) in zip(layers, prior, strict=True):
                 keep = (slots >= pad) & (slots < start)
                 rebuilt.update(k[:, keep][None], v[:, keep][None], layer.layer_idx)
-            segment = ids[row : row + 1, start:stop].to(layers[0].device, torch.int64)
-            positions = torch.arange(start - pad, stop - pad, device=segment.device).view(1, -1)
-            with torch.no_grad():
-                decoder(
-                    input_ids=segment,
-                    position_ids=positions,
-                    use_cache=True,
-                    **{cache_kwarg(decoder): rebuilt},
-                )
-            for layer in layers:
-                kv = rebuilt.layers[layer.layer_idx]
-                held[layer.layer_idx].append(
-                    (kv.keys[:, :, -(stop - start) :], kv.values[:, :, -(stop - start) :])
-                )
+            Recall.run_span(decoder, layers, ids[row : row + 1], start, start, stop, pad, rebuilt, held)
         Recall.hand(layers, row, spans, held)
 
     @staticmethod
@@ -337,30 +322,44 @@ class Recall:
         its keys and values of the spans, one after another, and the spans (what its attention hides)."""
         from transformers import DynamicCache
 
-        from kvweave._compat import cache_kwarg
-
         ids = cache.context.prompt_ids
         assert ids is not None
         ids = ids.view(1, -1) if ids.dim() == 1 else ids
         held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {layer.layer_idx: [] for layer in layers}
         for start, stop in spans:
             first = max(pad, start - context)
-            segment = ids[row : row + 1, first:stop].to(layers[0].device, torch.int64)
-            positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
             rebuilt = DynamicCache(config=decoder.config)
-            with torch.no_grad():
-                decoder(
-                    input_ids=segment,
-                    position_ids=positions,
-                    use_cache=True,
-                    **{cache_kwarg(decoder): rebuilt},
-                )
-            for layer in layers:
-                kv = rebuilt.layers[layer.layer_idx]
-                held[layer.layer_idx].append(
-                    (kv.keys[:, :, start - first :], kv.values[:, :, start - first :])
-                )
+            Recall.run_span(decoder, layers, ids[row : row + 1], first, start, stop, pad, rebuilt, held)
         Recall.hand(layers, row, spans, held)
+
+    @staticmethod
+    def run_span(
+        decoder: Any,
+        layers: list[Any],
+        ids: torch.Tensor,
+        first: int,
+        start: int,
+        stop: int,
+        pad: int,
+        rebuilt: Any,
+        held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> None:
+        """Run ``decoder`` over ``ids``' slots ``[first, stop)`` at their positions (after ``pad`` padding slots),
+        over the DynamicCache ``rebuilt``; append each layer's keys and values of slots ``[start, stop)`` to
+        ``held``."""
+        from kvweave._compat import cache_kwarg
+
+        segment = ids[:, first:stop].to(layers[0].device, torch.int64)
+        positions = torch.arange(first - pad, stop - pad, device=segment.device).view(1, -1)
+        with torch.no_grad():
+            decoder(
+                input_ids=segment, position_ids=positions, use_cache=True, **{cache_kwarg(decoder): rebuilt}
+            )
+        for layer in layers:
+            kv = rebuilt.layers[layer.layer_idx]
+            held[layer.layer_idx].append(
+                (kv.keys[:, :, -(stop - start) :], kv.values[:, :, -(stop - start) :])
+            )
 
     @staticmethod
     def hand(
