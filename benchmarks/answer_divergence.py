@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +40,25 @@ from kvweave.eval.runner import EvalConfig, build_prompt, plan, rebuilt_spans
 
 
 def follow(
-    model: Any, cache: Any, prefill: list[int], rest: list[int], forced: list[int] | None, n: int
+    model: Any,
+    cache: Any,
+    prefill: list[int],
+    rest: list[int],
+    forced: list[int] | None,
+    n: int,
+    after_prefill: Callable[[Any], None] | None = None,
 ) -> dict[str, list[Any]]:
     """Prefill ``prefill``, feed ``rest`` as one step, then ``n`` decode steps: greedy (``forced=None``) or fed
     ``forced``; the argmax at each step, the log-probability of the token fed next and the gap between the top two
-    log-probabilities (``margin``)."""
+    log-probabilities (``margin``). ``after_prefill(cache)`` is called between the prefill and ``rest``."""
     kw = cache_kwarg(model)
     argmax: list[int] = []
     logp: list[float] = []
     margin: list[float] = []
     with torch.no_grad():
         model(torch.tensor([prefill]), **{kw: cache}, use_cache=True, logits_to_keep=1)
+        if after_prefill is not None:
+            after_prefill(cache)
         logits = model(torch.tensor([rest]), **{kw: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
         for i in range(n):
             argmax.append(int(logits.argmax()))
