@@ -286,6 +286,20 @@ OVER_ROWS: tuple[tuple[str, str, int, tuple[tuple[int, str, str | tuple[str, ...
 """:data:`OVER` beside `full` and the default on the samples of the README's held-out rows: (name, task, context,
 per seed (seed, the folder of `full`'s and :data:`OVER`'s rows, the default's folder))."""
 
+ROUTER = "depthweave:router=True"
+"""Today's default with the token router on (exact rows and rank buckets by attention received, novelty and
+content; off by default since the WikiText ablation in docs/findings.md, "Ablation: what each part buys"), thirty-ninth
+session."""
+
+ROUTER_ROWS: tuple[tuple[str, str, int, str, str], ...] = (
+    ("common-8k", "niah_multiquery_common", 8192, "rt-values-8k-s1", "now-values-8k-s1"),
+    ("hex-8k", "niah_multivalue_hex", 8192, "rt-values-8k-s1", "now-values-8k-s1"),
+    ("common-4k", "niah_multiquery_common", 4096, "rt-values-4k-s1", "now-values-4k-s1"),
+    ("hex-4k", "niah_multivalue_hex", 4096, "rt-values-4k-s1", "now-values-4k-s1"),
+)
+""":data:`ROUTER` beside `full` and the default on seed 1's held-out samples: (name, task, context, the folder of
+`full`'s rows (copied from the default's folder: the same samples) and :data:`ROUTER`'s, the default's folder)."""
+
 X8_ROWS: tuple[tuple[str, str, str, str, str], ...] = (
     ("mk", "niah_multikey", "dw-8k-v4", "rec-8k-mk", CANDIDATE),
     ("mq", "niah_multiquery", "dw-8k-v4", "v8-8k", CANDIDATE),
@@ -950,6 +964,17 @@ HEADLINES: dict[str, Headline] = {
             ("dw", 2, TODAY, "score"),
             ("ov", 1, OVER, "score"),
             ("ovx", 1, OVER, "compression"),
+        )
+    },
+    # the token router on, seed 1's held-out samples (thirty-ninth session)
+    **{
+        f"rt-{name}-s1-{short}": _cell(_runs(runs), method, field, (("task", task), ("context", context)))
+        for name, task, context, folder, default in ROUTER_ROWS
+        for short, runs, method, field in (
+            ("full", folder, "full", "score"),
+            ("dw", default, TODAY, "score"),
+            ("rt", folder, ROUTER, "score"),
+            ("rtx", folder, ROUTER, "compression"),
         )
     },
     # the README's xKV table: the 8K tables' samples, xKV at 8x, DepthWeave at 8x and at 16x
