@@ -71,14 +71,13 @@ def follow(
     return {"argmax": argmax, "logp": logp, "margin": margin}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sample_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that name the eval's samples: model, task, context, seed, haystack, trials and ``--of``."""
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--task", required=True)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0, help="the eval's --seed (its samples)")
     parser.add_argument("--haystack", default=None)
-    parser.add_argument("--question-aware", action="store_true")
     parser.add_argument("--trials", default="0", help="trial numbers, comma-separated")
     parser.add_argument(
         "--of",
@@ -86,34 +85,55 @@ def main(argv: list[str] | None = None) -> int:
         default=6,
         help="the eval's --trials (default 6): where each trial's needles lie depends on it",
     )
-    parser.add_argument(
-        "--methods", required=True, help="method specs, separated by ';' (full is the reference)"
-    )
-    parser.add_argument("--tokens", type=int, default=40, help="answer tokens followed (default 40)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
-    args = parser.parse_args(argv)
+
+
+def trial_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """``--trials`` as sorted numbers, refused (``parser.error``) unless each is one of ``--of``'s."""
     try:
         trials = sorted({int(t) for t in args.trials.split(",")})
     except ValueError:
         parser.error(f"--trials takes numbers separated by commas, got {args.trials!r}")
     if max(trials) >= args.of or min(trials) < 0:
         parser.error(f"--trials are numbered 0 to {args.of - 1} (--of {args.of}), got {args.trials!r}")
-    if args.tokens < 1:
-        parser.error(f"--tokens must be at least 1, got {args.tokens}")
-    methods = [m.strip() for m in args.methods.split(";") if m.strip()]
+    return trials
+
+
+def eval_samples(
+    args: argparse.Namespace, methods: list[str], script: str, question_aware: bool = False
+) -> EvalConfig | None:
+    """The :class:`EvalConfig` whose samples ``args`` name, or ``None`` after a one-line error on stderr."""
     try:
-        config = EvalConfig(
+        return EvalConfig(
             model=args.model,
             tasks=[args.task],
             contexts=[args.context],
-            methods=["full", *methods],
+            methods=methods,
             trials=args.of,
             seed=args.seed,
             haystack=args.haystack,
-            question_aware=args.question_aware,
+            question_aware=question_aware,
         )
     except (ValueError, FileNotFoundError) as error:
-        print(f"answer_divergence: {error}", file=sys.stderr)
+        print(f"{script}: {error}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sample_arguments(parser)
+    parser.add_argument("--question-aware", action="store_true")
+    parser.add_argument(
+        "--methods", required=True, help="method specs, separated by ';' (full is the reference)"
+    )
+    parser.add_argument("--tokens", type=int, default=40, help="answer tokens followed (default 40)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
+    args = parser.parse_args(argv)
+    trials = trial_numbers(parser, args)
+    if args.tokens < 1:
+        parser.error(f"--tokens must be at least 1, got {args.tokens}")
+    methods = [m.strip() for m in args.methods.split(";") if m.strip()]
+    config = eval_samples(args, ["full", *methods], "answer_divergence", args.question_aware)
+    if config is None:
         return 2
     model, tokenizer = kvweave.load_model(args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)

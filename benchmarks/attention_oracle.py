@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from answer_divergence import follow
+from answer_divergence import eval_samples, follow, sample_arguments, trial_numbers
 
 import kvweave
 from kvweave._compat import cache_kwarg
-from kvweave.eval.runner import EvalConfig, build_prompt, plan
+from kvweave.eval.runner import build_prompt, plan
 from kvweave.methods.depthweave import factorize
 from kvweave.methods.depthweave.chunk import EXACT
 
@@ -105,25 +105,14 @@ def pin_slots(name: str, score: torch.Tensor) -> torch.Tensor | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--task", required=True)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0, help="the eval's --seed (its samples)")
-    parser.add_argument("--haystack", default=None)
-    parser.add_argument("--trials", default="0", help="trial numbers, comma-separated")
-    parser.add_argument("--of", type=int, default=6, help="the eval's --trials (default 6)")
+    sample_arguments(parser)
     parser.add_argument("--at", type=int, default=3, help="answer token whose attention is read (default 3)")
     parser.add_argument("--pins", default="none,top64", help="pin sets: none, topN, topN@K (comma-separated)")
     parser.add_argument("--methods", required=True, help="DepthWeave specs, separated by ';'")
     parser.add_argument("--tokens", type=int, default=40, help="answer tokens followed (default 40)")
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
     args = parser.parse_args(argv)
-    try:
-        trials = sorted({int(t) for t in args.trials.split(",")})
-    except ValueError:
-        parser.error(f"--trials takes numbers separated by commas, got {args.trials!r}")
-    if max(trials) >= args.of or min(trials) < 0:
-        parser.error(f"--trials are numbered 0 to {args.of - 1} (--of {args.of}), got {args.trials!r}")
+    trials = trial_numbers(parser, args)
     if not 0 <= args.at < args.tokens:
         parser.error(f"--at must be an answer token, 0 to {args.tokens - 1} (--tokens), got {args.at}")
     pins = [p.strip() for p in args.pins.split(",") if p.strip()]
@@ -133,18 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(";") if m.strip()]
     if not methods or any(not m.startswith("depthweave") for m in methods):
         parser.error(f"--methods takes DepthWeave specs (the pins are its exact rows), got {args.methods!r}")
-    try:
-        config = EvalConfig(
-            model=args.model,
-            tasks=[args.task],
-            contexts=[args.context],
-            methods=["full"],
-            trials=args.of,
-            seed=args.seed,
-            haystack=args.haystack,
-        )
-    except (ValueError, FileNotFoundError) as error:
-        print(f"attention_oracle: {error}", file=sys.stderr)
+    config = eval_samples(args, ["full"], "attention_oracle")
+    if config is None:
         return 2
     model, tokenizer = kvweave.load_model(args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
